@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install the system tools corral's tests drive for real: OpenSSH (client and
+# server, one sshd per sandbox node), rsync, iproute2 (ip, tc), pdsh (the
+# anchor DeepSpeed's launcher uses), iperf3 (bench), procps.
+# Idempotent: only installs what is missing.  Needs root (or sudo) and apt.
+set -euo pipefail
+need=()
+command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
+command -v rsync >/dev/null 2>&1 || need+=(rsync)
+command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || need+=(iproute2)
+command -v tc >/dev/null 2>&1 || [ -x /usr/sbin/tc ] || need+=(iproute2)
+command -v pdsh >/dev/null 2>&1 || need+=(pdsh)
+command -v iperf3 >/dev/null 2>&1 || need+=(iperf3)
+command -v ps >/dev/null 2>&1 || need+=(procps)
+command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need+=(iptables)
+if [ ${#need[@]} -eq 0 ]; then
+  exit 0
+fi
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then sudo="sudo"; else
+    echo "system-deps: need root to install: ${need[*]} (install them, or run as root)" >&2
+    exit 1
+  fi
+fi
+echo "system-deps: installing ${need[*]}" >&2
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

@@ -1,0 +1,105 @@
+"""The ``corral`` command line.
+
+One file per subcommand in this package; this module only wires them into a
+lazily-loaded click group (so ``corral --help`` stays fast and a subcommand's
+heavy imports never slow another one down) and formats ``CorralError`` in
+exactly one place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from corral import __version__
+from corral.errors import CorralError, EXIT_INTERRUPTED
+
+# name -> (module, attribute, one-line help shown by ``corral --help``)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "run": ("corral.cli.run", "run", "Run a training script on every node of the cluster."),
+    "exec": ("corral.cli.exec_", "exec_", "Run a shell command on every node; identical output is folded."),
+    "hosts": ("corral.cli.hosts", "hosts", "Show the resolved cluster: hosts, ports, users, slots."),
+    "doctor": ("corral.cli.doctor", "doctor", "Check every node for what would break or slow a job."),
+    "bench": ("corral.cli.bench", "bench", "Measure link bandwidth and all-reduce bus bandwidth."),
+    "ssh": ("corral.cli.ssh", "ssh", "Set up (or tear down) passwordless SSH between all nodes."),
+    "sync": ("corral.cli.sync", "sync", "Copy the project (or paths) to every node, verified."),
+    "diagnose": ("corral.cli.diagnose", "diagnose", "Explain a failed run's log: likely cause and fix."),
+    "stacks": ("corral.cli.stacks", "stacks", "Dump the Python stack of every rank of a running job."),
+    "runs": ("corral.cli.runs", "runs", "List past runs and where their logs are."),
+    "sandbox": ("corral.cli.sandbox", "sandbox", "A simulated multi-node cluster on this machine."),
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported only when used."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        spec = COMMANDS.get(cmd_name)
+        if spec is None:
+            return None
+        module_name, attr, _ = spec
+        module = importlib.import_module(module_name)
+        return getattr(module, attr)
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        """Report CorralError in one place, for CliRunner and the console script alike."""
+        try:
+            return super().invoke(ctx)
+        except CorralError as err:
+            if (ctx.obj or {}).get("debug"):
+                raise
+            _report(err)
+            ctx.exit(err.exit_code)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Use the static one-liners: listing commands must not import them all.
+        rows = [(name, help_) for name, (_, _, help_) in COMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="corral")
+@click.option("--debug", is_flag=True, envvar="CORRAL_DEBUG", help="Show tracebacks and debug logs.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """corral: run an unchanged PyTorch training script on every machine you
+    can SSH into (or a Slurm allocation), checked, fast, and diagnosed.
+
+    With no cluster given, the cluster is this machine.  Start with
+    `corral run train.py`, `corral hosts -f hostfile` or `corral sandbox up 4`.
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _report(err: CorralError) -> None:
+    from corral.ui import print_error
+
+    print_error(err)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the CLI, turn CorralError into exit codes."""
+    try:
+        rv = cli.main(args=argv, prog_name="corral", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,111 @@
+"""The typed cluster model every other layer works on.
+
+Readers in ``corral.inventory`` turn what users already have (hostfiles,
+``-H`` lists, Slurm variables, ssh aliases, ``corral.toml``) into a
+``Cluster``; the planner, the transports and the checks only ever see these
+frozen objects, so there is one place that says what a host *is*.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+#: Default interpreter used to run the node agent when a host does not name one.
+DEFAULT_PYTHON = "python3"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Host:
+    """One machine of a cluster.
+
+    ``name`` is how the user refers to the host (a hostfile token, an ssh
+    alias, a Slurm node name); it is what reports print and what ``ssh`` is
+    given, so the user's ``~/.ssh/config`` applies.  ``address`` is the
+    resolved network address when known (from ``ssh -G`` or the cluster
+    file); it is informational for ssh and used for the rendezvous address.
+    """
+
+    name: str
+    #: Resolved address (IP or DNS name) if known; ``None`` means "same as name".
+    address: str | None = None
+    #: SSH port; ``None`` leaves it to ssh_config (default 22).
+    port: int | None = None
+    #: SSH login user; ``None`` leaves it to ssh_config.
+    user: str | None = None
+    #: Processes to start on this host; ``None`` means "one per GPU, detected".
+    slots: int | None = None
+    #: Free-form tags from the cluster file (``labels = ["a100"]``).
+    labels: tuple[str, ...] = ()
+    #: Interpreter that runs the node agent (and, by default, the workload).
+    python: str = DEFAULT_PYTHON
+    #: Extra environment for processes on this host only (``NCCL_SOCKET_IFNAME``...).
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    #: Working directory on this host; ``None`` means the cluster's / the caller's.
+    workdir: str | None = None
+    #: True for "this machine": reached through the local transport, not ssh.
+    local: bool = False
+    #: Extra ``ssh -o`` options for this host only, as ``Key=Value`` strings.
+    ssh_options: tuple[str, ...] = ()
+
+    @property
+    def connect_address(self) -> str:
+        """What the network layer should dial: the address, else the name."""
+        return self.address or self.name
+
+    def with_(self, **changes: object) -> "Host":
+        """Return a copy with ``changes`` applied (hosts are immutable)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """An ordered set of hosts plus cluster-wide defaults.
+
+    Host order is meaningful: node rank ``i`` runs on ``hosts[i]`` and the
+    first host hosts the rendezvous.
+    """
+
+    hosts: tuple[Host, ...]
+    #: Human description of where this came from, e.g. ``hostfile ./hosts:1``.
+    source: str = ""
+    #: Optional cluster name (``[cluster] name`` in corral.toml, sandbox name).
+    name: str | None = None
+    #: Environment applied on every host (host ``env`` wins over it).
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    #: Cluster-wide working directory (host ``workdir`` wins over it).
+    workdir: str | None = None
+    #: Extra ``ssh -o`` options for every host, as ``Key=Value`` strings.
+    ssh_options: tuple[str, ...] = ()
+    #: Path of the cluster file this came from, when there is one (for --fix-env).
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            # Readers raise InventoryError with file/line before this; this
+            # guards library users building clusters by hand.
+            raise ValueError("a cluster needs at least one host")
+
+    @property
+    def names(self) -> list[str]:
+        return [h.name for h in self.hosts]
+
+    @property
+    def is_local(self) -> bool:
+        """True when every host is this machine (the default cluster)."""
+        return all(h.local for h in self.hosts)
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(name)
+
+    def env_for(self, host: Host) -> dict[str, str]:
+        """Cluster env overlaid with the host's own env."""
+        merged = dict(self.env)
+        merged.update(host.env)
+        return merged
+
+    def workdir_for(self, host: Host) -> str | None:
+        return host.workdir or self.workdir

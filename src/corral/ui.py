@@ -1,0 +1,50 @@
+"""Everything that prints for humans lives here and in ``corral.cli``.
+
+The library never prints; it returns results and raises ``CorralError``.
+``console()`` returns the shared rich consoles so tests can swap them for a
+``StringIO`` one.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+
+from corral.errors import CorralError
+
+_out: Console | None = None
+_err: Console | None = None
+
+
+def console() -> Console:
+    """The stdout console (tables, reports)."""
+    global _out
+    if _out is None or _out.file is not sys.stdout:
+        _out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    return _out
+
+
+def err_console() -> Console:
+    """The stderr console (errors, notices, progress)."""
+    global _err
+    if _err is None or _err.file is not sys.stderr:
+        _err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    return _err
+
+
+def print_error(err: CorralError) -> None:
+    """The one place a CorralError becomes text: message, then a HINT line."""
+    con = err_console()
+    label = {"user": "error", "infrastructure": "error", "workload": "failed"}.get(
+        err.category, "error"
+    )
+    con.print(f"[bold red]{label}:[/] {escape(err.message)}")
+    if err.hint:
+        con.print(f"[yellow]HINT:[/] {escape(err.hint)}")
+
+
+def notice(message: str) -> None:
+    """A one-line informational note on stderr (never on stdout, which scripts parse)."""
+    err_console().print(f"[dim]corral:[/] {escape(message)}")

@@ -1,0 +1,47 @@
+"""Shared test fixtures.
+
+The autouse fixture keeps tests away from the developer's own setup: HOME is
+a fresh temporary directory and launcher variables (MASTER_*, NCCL_*, PET_*,
+torchrun's and Slurm's) are stripped, so a test never inherits a rendezvous
+address or an NCCL setting from the shell it was started in.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+_STRIP_PREFIXES = (
+    "MASTER_",
+    "NCCL_",
+    "PET_",
+    "TORCHELASTIC_",
+    "SLURM_",
+    "CORRAL_",
+    "GLOO_",
+    "ACCELERATE_",
+)
+_STRIP_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    for key in list(os.environ):
+        if key.startswith(_STRIP_PREFIXES) or key in _STRIP_NAMES:
+            monkeypatch.delenv(key, raising=False)
+    yield home
+
+
+@pytest.fixture
+def python_exe() -> str:
+    """The interpreter running the tests (has torch installed for run tests)."""
+    return sys.executable
