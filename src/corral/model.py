@@ -77,6 +77,8 @@ class Cluster:
     workdir: str | None = None
     #: Extra ``ssh -o`` options for every host, as ``Key=Value`` strings.
     ssh_options: tuple[str, ...] = ()
+    #: An ssh_config file to use instead of ~/.ssh/config (``ssh -F``), if any.
+    ssh_config: str | None = None
     #: Path of the cluster file this came from, when there is one (for --fix-env).
     path: str | None = None
 
