@@ -1,0 +1,59 @@
+"""The default cluster: this machine.
+
+``corral run train.py`` with no hostfile runs on the machine it is typed on,
+one process per GPU, or two CPU processes when there is no GPU -- enough to
+exercise ``torch.distributed`` (gloo) before renting a cluster.  GPUs are
+counted with ``nvidia-smi -L`` because the head must not need torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+
+from corral.model import Cluster, Host
+
+log = logging.getLogger(__name__)
+
+#: Processes on a machine without GPUs: two, so the run is really distributed.
+CPU_SLOTS = 2
+_NVIDIA_SMI_TIMEOUT_S = 20.0
+
+
+def count_gpus() -> int | None:
+    """NVIDIA GPUs on this machine, or None when there is no usable nvidia-smi.
+
+    A driver that is installed but broken (``nvidia-smi`` fails) counts as
+    no GPU here; ``corral doctor`` is where such a machine is diagnosed.
+    """
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.run(
+            [exe, "-L"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=_NVIDIA_SMI_TIMEOUT_S,
+        )
+    except (subprocess.TimeoutExpired, OSError) as err:
+        log.warning("nvidia-smi -L failed (%s); treating this machine as having no GPU", err)
+        return None
+    if proc.returncode != 0:
+        log.warning("nvidia-smi -L exited %d: %s", proc.returncode, proc.stderr.strip())
+        return None
+    gpus = sum(1 for line in proc.stdout.splitlines() if line.startswith("GPU "))
+    return gpus or None
+
+
+def local_cluster(*, gpus: int | None = None, detect: bool = True) -> Cluster:
+    """One host: this machine, reached without ssh.
+
+    ``gpus`` overrides detection (tests, or a caller that already counted).
+    """
+    if gpus is None and detect:
+        gpus = count_gpus()
+    name = socket.gethostname() or "localhost"
+    host = Host(name=name, address="127.0.0.1", local=True, slots=gpus or CPU_SLOTS)
+    what = f"{gpus} GPU process(es)" if gpus else f"{CPU_SLOTS} CPU processes, no GPU found"
+    return Cluster(hosts=(host,), source=f"this machine ({name}: {what})")
