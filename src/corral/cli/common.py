@@ -1,0 +1,83 @@
+"""Options every cluster-facing command shares: ``-c/--cluster`` and ``-H/--hosts``.
+
+Usage in a command module::
+
+    @click.command()
+    @cluster_options
+    def doctor(cluster_opts: ClusterOptions) -> None:
+        cluster = cluster_opts.load()          # prints "corral: cluster: ..." on stderr
+
+The cluster is loaded only when the command asks for it, so ``--help`` and
+argument errors never read files or run ``ssh -G``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import click
+
+from corral import ui
+from corral.inventory import load_cluster, resolve_ssh
+from corral.model import Cluster
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+CLUSTER_HELP = (
+    "Cluster file: a corral.toml, or a DeepSpeed/OpenMPI hostfile ('gpu01 slots=8', "
+    "'gpu[01-04] slots=8', 'user@host:8'). Default: $CORRAL_CLUSTER, then ./corral.toml, "
+    "then the Slurm allocation, then this machine."
+)
+HOSTS_HELP = (
+    "Hosts as a list: 'gpu1:8,gpu2:8', 'gpu[01-04]:8', 'alice@gpu1' (':N' = processes; "
+    "without it, one per GPU). Names may be ~/.ssh/config aliases."
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterOptions:
+    """What the user passed as -c/-H; ``load()`` turns it into a Cluster."""
+
+    cluster: str | None = None
+    hosts: str | None = None
+
+    def load(self, *, resolve: bool = True, notice: bool = True) -> Cluster:
+        """Load the cluster by corral's precedence; print where it came from.
+
+        ``resolve`` fills addresses, ports and users from ssh_config
+        (``ssh -G``); ``notice`` prints the one-line "cluster: ..." note on
+        stderr (commands that print the source themselves turn it off).
+        """
+        return load_from_options(self.cluster, self.hosts, resolve=resolve, notice=notice)
+
+
+def load_from_options(
+    cluster: str | None, hosts: str | None, *, resolve: bool = True, notice: bool = True
+) -> Cluster:
+    found, message = load_cluster(
+        cluster=cluster, hosts=hosts, cwd=Path.cwd(), environ=os.environ
+    )
+    if notice:
+        ui.notice(message)
+    return resolve_ssh(found) if resolve else found
+
+
+def cluster_options(func: F) -> F:
+    """Add ``-c/--cluster`` and ``-H/--hosts``; pass them as ``cluster_opts``."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, cluster_file: str | None, hosts_list: str | None, **kwargs: Any) -> Any:
+        opts = ClusterOptions(cluster=cluster_file, hosts=hosts_list)
+        return func(*args, cluster_opts=opts, **kwargs)
+
+    wrapper = click.option(
+        "-H", "--hosts", "hosts_list", metavar="LIST", default=None, help=HOSTS_HELP
+    )(wrapper)
+    wrapper = click.option(
+        "-c", "--cluster", "cluster_file", metavar="FILE", default=None, help=CLUSTER_HELP
+    )(wrapper)
+    return wrapper  # type: ignore[return-value]
