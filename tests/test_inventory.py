@@ -1,0 +1,406 @@
+"""Inventory readers: hostfiles, -H, corral.toml, Slurm, ssh -G, this machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from corral.errors import HostError, InventoryError, UsageError
+from corral.inventory import (
+    count_gpus,
+    load_cluster,
+    local_cluster,
+    parse_hosts_arg,
+    read_cluster_file,
+    read_corral_toml,
+    read_hostfile,
+    read_slurm,
+    resolve_ssh,
+)
+from corral.model import Cluster, Host
+
+from conftest import REPO
+
+FIX = Path(__file__).parent / "fixtures" / "inventory"
+
+
+def _summary(cluster: Cluster) -> list[tuple]:
+    return [(h.name, h.slots, h.user, h.port) for h in cluster.hosts]
+
+
+# ---------------------------------------------------------------- hostfiles
+
+
+def test_deepspeed_hostfile() -> None:
+    cluster = read_hostfile(FIX / "deepspeed_hostfile")
+    assert _summary(cluster) == [("worker-1", 4, None, None), ("worker-2", 4, None, None)]
+    assert cluster.source == f"hostfile {FIX / 'deepspeed_hostfile'}"
+    assert cluster.path == str(FIX / "deepspeed_hostfile")
+
+
+def test_openmpi_hostfile() -> None:
+    cluster = read_hostfile(FIX / "openmpi_hostfile")
+    assert _summary(cluster) == [
+        ("node01", 8, None, None),
+        ("node02", 8, None, None),
+        ("node03", 4, "alice", None),
+        ("node04", None, "bob", 2222),
+        ("node05", None, None, None),
+    ]
+
+
+def test_hostfile_ranges_and_colon_slots() -> None:
+    cluster = read_hostfile(FIX / "ranges_hostfile")
+    assert cluster.names == [
+        "gpu01", "gpu02", "gpu03", "gpu07",
+        "rack1-gpu1", "rack1-gpu2", "rack2-gpu1", "rack2-gpu2",
+    ]
+    assert [h.slots for h in cluster.hosts] == [8, 8, 8, 8, 2, 2, 2, 2]
+
+
+def test_mpich_machinefile() -> None:
+    assert _summary(read_hostfile(FIX / "mpich_machinefile")) == [
+        ("host1", 4, None, None), ("host2", 4, None, None)
+    ]
+
+
+def test_localhost_in_a_hostfile_is_this_machine(tmp_path: Path) -> None:
+    f = tmp_path / "hosts"
+    f.write_text("localhost slots=2\n127.0.0.1 port=2222\n")
+    local, container = read_hostfile(f).hosts
+    assert local.local and not container.local  # an sshd on a port is reached by ssh
+
+
+@pytest.mark.parametrize(
+    ("fixture", "line", "words"),
+    [
+        ("bad_slots_zero", 2, "slots must be a positive integer, got '0'"),
+        ("bad_slots_text", 2, "slots must be a positive integer, got 'eight'"),
+        ("bad_duplicate", 5, "duplicate host 'gpu1' (first defined on line 2)"),
+        ("bad_range_reversed", 2, "goes backwards"),
+        ("bad_range_unclosed", 3, "never closed"),
+        ("bad_range_letters", 1, "bad range 'a-b'"),
+        ("bad_unknown_key", 2, "unknown hostfile key 'slot'"),
+        ("bad_garbage", 1, "unexpected 'garbage'"),
+        ("bad_max_slots", 1, "max_slots=4 is less than slots=8"),
+        ("bad_slots_twice", 1, "slots given twice"),
+        ("bad_name", 1, "is not a valid host name"),
+    ],
+)
+def test_hostfile_errors_name_file_and_line(fixture: str, line: int, words: str) -> None:
+    with pytest.raises(InventoryError) as info:
+        read_hostfile(FIX / fixture, label=fixture)
+    assert info.value.message.startswith(f"{fixture}:{line}: ")
+    assert words in info.value.message
+    assert (info.value.path, info.value.line) == (fixture, line)
+
+
+def test_unknown_key_suggests_the_right_one() -> None:
+    with pytest.raises(InventoryError) as info:
+        read_hostfile(FIX / "bad_unknown_key")
+    assert info.value.hint == "did you mean 'slots'?"
+
+
+def test_empty_and_missing_hostfiles() -> None:
+    with pytest.raises(InventoryError, match="bad_empty: hostfile lists no hosts"):
+        read_hostfile(FIX / "bad_empty", label="bad_empty")
+    with pytest.raises(InventoryError, match="nope: hostfile not found") as info:
+        read_hostfile(FIX / "nope", label="nope")
+    assert info.value.hint
+
+
+# ---------------------------------------------------------------- -H
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("h1:4,h2:4", [("h1", 4, None, None), ("h2", 4, None, None)]),
+        ("h1,h2", [("h1", None, None, None), ("h2", None, None, None)]),
+        ("node[1-2]:8", [("node1", 8, None, None), ("node2", 8, None, None)]),
+        ("alice@gpu1:2,gpu2", [("gpu1", 2, "alice", None), ("gpu2", None, None, None)]),
+        ("alice@gpu[1-2]", [("gpu1", None, "alice", None), ("gpu2", None, "alice", None)]),
+    ],
+)
+def test_hosts_arg(text: str, expected: list[tuple]) -> None:
+    cluster = parse_hosts_arg(text)
+    assert _summary(cluster) == expected
+    assert cluster.source == f"--hosts {text}"
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("h1:0", "--hosts item 1: slots after ':' in 'h1:0' must be a positive integer"),
+        ("h1:4,h2:x", "--hosts item 2: slots after ':'"),
+        ("h1,,h2", "--hosts: item 2 is empty"),
+        ("h1,h1:2", "duplicate host 'h1'"),
+        ("node[2-1]:8", "--hosts item 1: malformed host range"),
+        ("node[1-2:8", "--hosts: malformed host range"),
+        ("fe80::1:4", "IPv6"),
+        ("@h1", "expected USER@HOST"),
+        ("a@b@c", "expected USER@HOST"),
+    ],
+)
+def test_hosts_arg_errors(text: str, words: str) -> None:
+    with pytest.raises(InventoryError) as info:
+        parse_hosts_arg(text)
+    assert words in info.value.message
+
+
+# ---------------------------------------------------------------- corral.toml
+
+
+def test_corral_toml_full() -> None:
+    cluster = read_corral_toml(FIX / "corral.toml")
+    assert cluster.name == "lab"
+    assert cluster.env == {"NCCL_DEBUG": "WARN"}
+    assert cluster.workdir == "/srv/project"
+    assert cluster.ssh_options == ("IdentityFile=~/.ssh/lab",)
+    g1, g2, g3 = cluster.hosts
+    assert g1 == Host(name="gpu01", port=22, user="ubuntu", slots=8, labels=("a100",),
+                      python="/opt/venv/bin/python")
+    assert g2.name == "gpu02"
+    assert g3 == Host(
+        name="gpu03", address="10.0.0.3", port=2222, user="root", slots=4,
+        python="/usr/bin/python3", workdir="/data/proj", env={"NCCL_SOCKET_IFNAME": "eth0"},
+        ssh_options=("StrictHostKeyChecking=accept-new",),
+    )
+    assert cluster.env_for(g3) == {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert cluster.workdir_for(g1) == "/srv/project"
+
+
+def test_corral_toml_with_hostfile_applies_cluster_defaults() -> None:
+    cluster = read_corral_toml(FIX / "with_hostfile.toml")
+    # the hostfile's slots=4 wins over [cluster] slots = 2; user comes from [cluster]
+    assert _summary(cluster) == [("worker-1", 4, "ubuntu", None), ("worker-2", 4, "ubuntu", None)]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "line", "words"),
+    [
+        ("bad_unknown_key.toml", 3, "unknown key 'pyhton' in [cluster]"),
+        ("bad_unknown_host_key.toml", 6, "unknown key 'slot' in [[hosts]] #2"),
+        ("bad_type.toml", 2, "[cluster] port must be an integer, got '22'"),
+        ("bad_syntax.toml", 3, "invalid TOML"),
+        ("bad_address_range.toml", 6, "address is only valid for a single host"),
+        ("bad_hostfile_and_hosts.toml", 2, "cannot both be given"),
+        ("bad_duplicate.toml", 5, "duplicate host 'gpu2' (first defined on line 2)"),
+        ("bad_slots.toml", 3, "slots must be a positive integer, got 0"),
+        ("bad_env.toml", 5, "env NCCL_IB_DISABLE must be a string"),
+        ("bad_ssh_option.toml", 2, "'-i ~/.ssh/key' is not an ssh option"),
+    ],
+)
+def test_corral_toml_errors_name_file_and_line(fixture: str, line: int, words: str) -> None:
+    with pytest.raises(InventoryError) as info:
+        read_corral_toml(FIX / fixture, label=fixture)
+    assert info.value.message.startswith(f"{fixture}:{line}: "), info.value.message
+    assert words in info.value.message
+
+
+def test_corral_toml_did_you_mean_and_no_hosts() -> None:
+    with pytest.raises(InventoryError) as info:
+        read_corral_toml(FIX / "bad_unknown_key.toml")
+    assert info.value.hint == "did you mean 'python'?"
+    with pytest.raises(InventoryError, match="no hosts"):
+        read_corral_toml(FIX / "bad_no_hosts.toml")
+
+
+def test_corral_toml_ssh_config_is_resolved_and_checked(tmp_path: Path) -> None:
+    (tmp_path / "ssh_cfg").write_text("Host *\n  Port 2200\n")
+    (tmp_path / "c.toml").write_text('[cluster]\nssh_config = "ssh_cfg"\n[[hosts]]\nname = "a"\n')
+    assert read_corral_toml(tmp_path / "c.toml").ssh_config == str(tmp_path / "ssh_cfg")
+    (tmp_path / "d.toml").write_text('[cluster]\nssh_config = "missing"\n[[hosts]]\nname = "a"\n')
+    with pytest.raises(InventoryError, match=r"d.toml:2: ssh_config file 'missing' not found"):
+        read_corral_toml(tmp_path / "d.toml", label="d.toml")
+
+
+def test_cluster_file_is_sniffed_without_toml_suffix() -> None:
+    assert read_cluster_file(FIX / "toml_without_suffix").source.startswith("cluster file")
+    assert read_cluster_file(FIX / "openmpi_hostfile").source.startswith("hostfile")
+
+
+@pytest.mark.parametrize("example", ["corral.toml", "hostfile"])
+def test_shipped_examples_load(example: str) -> None:
+    cluster = read_cluster_file(REPO / "examples" / example)
+    assert len(cluster.hosts) >= 5
+
+
+# ---------------------------------------------------------------- Slurm
+
+
+def test_slurm_allocation() -> None:
+    env = {
+        "SLURM_JOB_NODELIST": "gpu-[01-03,05],cpu1",
+        "SLURM_TASKS_PER_NODE": "1(x5)",
+        "SLURM_GPUS_PER_NODE": "a100:4",
+        "SLURM_JOB_ID": "4242",
+    }
+    cluster = read_slurm(env)
+    assert cluster.names == ["gpu-01", "gpu-02", "gpu-03", "gpu-05", "cpu1"]
+    assert [h.slots for h in cluster.hosts] == [4] * 5
+    assert cluster.source == "Slurm allocation 4242"
+
+
+def test_slurm_tasks_per_node_wins_when_several() -> None:
+    env = {"SLURM_JOB_NODELIST": "n[1-4]", "SLURM_TASKS_PER_NODE": "2(x3),1",
+           "SLURM_GPUS_ON_NODE": "8"}
+    assert [h.slots for h in read_slurm(env).hosts] == [2, 2, 2, 8]
+    assert [h.slots for h in read_slurm({"SLURM_JOB_NODELIST": "n1"}).hosts] == [None]
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x2)"},
+         "SLURM_TASKS_PER_NODE: '2(x2)' describes 2 nodes but the node list has 3"),
+        ({"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(3)"}, "not N or N(xK)"),
+        ({"SLURM_JOB_NODELIST": "n[3-1]"}, "SLURM_JOB_NODELIST: malformed host range"),
+        ({"SLURM_JOB_NODELIST": "n1", "SLURM_GPUS_PER_NODE": "a100:x"}, "SLURM_GPUS_PER_NODE"),
+        ({}, "not inside a Slurm allocation"),
+    ],
+)
+def test_slurm_errors(env: dict[str, str], words: str) -> None:
+    with pytest.raises(InventoryError) as info:
+        read_slurm(env)
+    assert words in info.value.message
+
+
+# ---------------------------------------------------------------- ssh -G
+
+
+@pytest.fixture
+def ssh_config(tmp_path: Path) -> Path:
+    if shutil.which("ssh") is None:
+        pytest.skip("needs the OpenSSH client")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(
+        "Host gpu1\n  HostName 10.1.2.3\n  Port 2222\n  User alice\n"
+        "Host gpu2\n  HostName gpu2.example.org\n"
+        "Host *\n  User carol\n"
+    )
+    return cfg
+
+
+def test_resolve_ssh_fills_from_ssh_config(ssh_config: Path) -> None:
+    cluster = Cluster(hosts=(
+        Host(name="gpu1"),
+        Host(name="gpu2", port=2200),
+        Host(name="gpu3", user="dave", address="192.168.0.3"),
+        Host(name="me", local=True),
+    ))
+    resolved = resolve_ssh(cluster, ssh_config_file=str(ssh_config))
+    g1, g2, g3, me = resolved.hosts
+    assert (g1.address, g1.port, g1.user) == ("10.1.2.3", 2222, "alice")
+    assert (g2.address, g2.port, g2.user) == ("gpu2.example.org", 2200, "carol")
+    assert (g3.address, g3.port, g3.user) == ("192.168.0.3", 22, "dave")  # set values kept
+    assert me == cluster.hosts[3]  # local hosts are never resolved
+
+
+def test_resolve_ssh_uses_cluster_config_and_option_order(ssh_config: Path) -> None:
+    cluster = Cluster(
+        hosts=(Host(name="gpu1", ssh_options=("Port=3000",)), Host(name="gpu3")),
+        ssh_config=str(ssh_config),
+        ssh_options=("Port=4000",),
+    )
+    g1, g3 = resolve_ssh(cluster).hosts
+    # ssh keeps the first value: the host's options beat the cluster's and ssh_config's
+    assert g1.port == 3000 and g1.user == "alice"
+    assert g3.port == 4000 and g3.user == "carol"
+
+
+def test_resolve_ssh_reports_bad_options(ssh_config: Path) -> None:
+    cluster = Cluster(hosts=(Host(name="gpu1"), Host(name="gpu2")),
+                      ssh_options=("NoSuchOption=1",), path="lab.toml")
+    with pytest.raises(InventoryError) as info:
+        resolve_ssh(cluster, ssh_config_file=str(ssh_config))
+    assert "lab.toml: ssh cannot read its configuration for 'gpu1'" in info.value.message
+    assert "nosuchoption" in info.value.message.lower()
+    assert "and 1 more host" in info.value.message
+    assert "ssh -G" in (info.value.hint or "")
+
+
+def test_resolve_ssh_without_ssh_binary(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH: no ssh client here
+    with pytest.raises(HostError, match="ssh client is not installed"):
+        resolve_ssh(Cluster(hosts=(Host(name="gpu1"),)))
+    local = local_cluster(gpus=None, detect=False)
+    assert resolve_ssh(local) is local  # nothing to resolve, ssh not needed
+
+
+# ---------------------------------------------------------------- this machine
+
+
+def test_local_cluster_without_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    cluster = local_cluster()
+    (host,) = cluster.hosts
+    assert host == Host(name=socket.gethostname(), address="127.0.0.1", local=True, slots=2)
+    assert cluster.is_local
+    assert "2 CPU processes, no GPU found" in cluster.source
+
+
+def test_count_gpus_reads_nvidia_smi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa)'\n"
+        "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)'\n"
+        "echo '  MIG 1g.10gb Device 0: (UUID: MIG-cccc)'\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert count_gpus() == 2
+    assert local_cluster().hosts[0].slots == 2
+    assert "2 GPU process(es)" in local_cluster().source
+    fake.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    assert count_gpus() is None
+
+
+# ---------------------------------------------------------------- precedence
+
+
+def _load(tmp_path: Path, *, cluster: str | None = None, hosts: str | None = None,
+          environ: dict[str, str] | None = None) -> tuple[Cluster, str]:
+    return load_cluster(cluster=cluster, hosts=hosts, cwd=tmp_path, environ=environ or {})
+
+
+def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # no nvidia-smi: a CPU-only machine
+    (tmp_path / "hosts").write_text("fromfile slots=1\n")
+    (tmp_path / "env_hosts").write_text("fromenv slots=1\n")
+    slurm = {"SLURM_JOB_NODELIST": "slurm[1-2]", "SLURM_JOB_ID": "7"}
+
+    cluster, note = _load(tmp_path)
+    assert cluster.is_local and note.startswith("no cluster given; using this machine")
+    assert "2 CPU processes, no GPU found" in note
+
+    cluster, note = _load(tmp_path, environ=slurm)
+    assert cluster.names == ["slurm1", "slurm2"]
+    assert note == "cluster: 2 hosts slurm[1-2] from Slurm allocation 7"
+
+    (tmp_path / "corral.toml").write_text('[[hosts]]\nname = "fromtoml[1-2]"\n')
+    cluster, note = _load(tmp_path, environ=slurm)
+    assert cluster.names == ["fromtoml1", "fromtoml2"]
+    assert note == ("cluster: 2 hosts fromtoml[1-2] from cluster file corral.toml "
+                    "(found in the current directory)")
+
+    env = {**slurm, "CORRAL_CLUSTER": "env_hosts"}
+    cluster, note = _load(tmp_path, environ=env)
+    assert cluster.names == ["fromenv"] and "$CORRAL_CLUSTER" in note
+
+    cluster, note = _load(tmp_path, cluster="hosts", environ=env)
+    assert cluster.names == ["fromfile"]
+    assert note == "cluster: 1 host fromfile from hostfile hosts"
+
+    cluster, note = _load(tmp_path, hosts="h[1-3]:2", environ=env)
+    assert cluster.names == ["h1", "h2", "h3"] and "--hosts" in note
+
+
+def test_hosts_and_cluster_together_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="-H/--hosts and -c/--cluster"):
+        _load(tmp_path, cluster="hosts", hosts="a,b")
