@@ -63,7 +63,9 @@ def test_hosts_resolves_ssh_aliases(runner: CliRunner, tmp_path: Path) -> None:
     if shutil.which("ssh") is None:
         pytest.skip("needs the OpenSSH client")
     (tmp_path / "ssh_cfg").write_text("Host gpu1\n  HostName 10.9.8.7\n  Port 2022\n  User eve\n")
-    (tmp_path / "lab.toml").write_text('[cluster]\nssh_config = "ssh_cfg"\n[[hosts]]\nname = "gpu1"\n')
+    (tmp_path / "lab.toml").write_text(
+        '[cluster]\nssh_config = "ssh_cfg"\n[[hosts]]\nname = "gpu1"\n'
+    )
     data = _json(runner.invoke(cli, ["hosts", "-c", str(tmp_path / "lab.toml"), "--json"]))
     assert data["ssh_config"] == str(tmp_path / "ssh_cfg")
     host = data["hosts"][0]

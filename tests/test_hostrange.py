@@ -8,7 +8,6 @@ import pytest
 
 from corral.hostrange import MAX_HOSTS, HostRangeError, HostSet, expand, fold, split_list
 
-
 # ---------------------------------------------------------------- expand
 
 

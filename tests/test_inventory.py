@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from corral.errors import HostError, InventoryError, UsageError
 from corral.inventory import (
@@ -22,8 +23,6 @@ from corral.inventory import (
     resolve_ssh,
 )
 from corral.model import Cluster, Host
-
-from conftest import REPO
 
 FIX = Path(__file__).parent / "fixtures" / "inventory"
 

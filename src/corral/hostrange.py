@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
-__all__ = ["HostRangeError", "HostSet", "expand", "fold", "split_list", "MAX_HOSTS"]
+__all__ = ["MAX_HOSTS", "HostRangeError", "HostSet", "expand", "fold", "split_list"]
 
 #: Largest expansion accepted: a typo like ``node[1-1000000]`` must fail fast,
 #: not allocate a million names.
@@ -261,12 +261,12 @@ class HostSet:
     names: tuple[str, ...] = ()
 
     @classmethod
-    def parse(cls, text: str) -> "HostSet":
+    def parse(cls, text: str) -> HostSet:
         """Parse a folded expression; duplicates are dropped, order kept."""
         return cls.of(expand(text))
 
     @classmethod
-    def of(cls, names: Iterable[str]) -> "HostSet":
+    def of(cls, names: Iterable[str]) -> HostSet:
         return cls(names=tuple(dict.fromkeys(names)))
 
     def __str__(self) -> str:
@@ -281,13 +281,13 @@ class HostSet:
     def __contains__(self, name: object) -> bool:
         return name in self.names
 
-    def __or__(self, other: "HostSet") -> "HostSet":
+    def __or__(self, other: HostSet) -> HostSet:
         return HostSet.of(self.names + other.names)
 
-    def __sub__(self, other: "HostSet") -> "HostSet":
+    def __sub__(self, other: HostSet) -> HostSet:
         drop = set(other.names)
         return HostSet(names=tuple(n for n in self.names if n not in drop))
 
-    def __and__(self, other: "HostSet") -> "HostSet":
+    def __and__(self, other: HostSet) -> HostSet:
         keep = set(other.names)
         return HostSet(names=tuple(n for n in self.names if n in keep))

@@ -10,8 +10,8 @@ says which, so a run never silently lands on the wrong machines.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from corral.errors import UsageError
 from corral.hostrange import fold
@@ -24,10 +24,20 @@ from corral.inventory.tomlfile import read_corral_toml
 from corral.model import Cluster
 
 __all__ = [
-    "CLUSTER_ENV", "DEFAULT_FILE",
-    "load_cluster", "read_cluster_file", "read_hostfile", "parse_hostfile", "parse_hosts_arg",
-    "read_corral_toml", "read_slurm", "resolve_ssh", "ssh_g_argv", "local_cluster", "count_gpus",
+    "CLUSTER_ENV",
+    "DEFAULT_FILE",
+    "count_gpus",
     "describe",
+    "load_cluster",
+    "local_cluster",
+    "parse_hostfile",
+    "parse_hosts_arg",
+    "read_cluster_file",
+    "read_corral_toml",
+    "read_hostfile",
+    "read_slurm",
+    "resolve_ssh",
+    "ssh_g_argv",
 ]
 
 #: Environment variable naming a default cluster file (like ``-c``).
@@ -36,7 +46,10 @@ CLUSTER_ENV = "CORRAL_CLUSTER"
 DEFAULT_FILE = "corral.toml"
 
 # A line that only TOML would write: a [table] header or key = value.
-_TOML_LINE = re.compile(r"""^\s*(\[\[?\s*[A-Za-z_][\w.-]*\s*\]\]?|[A-Za-z_][\w-]*\s*=\s*["'\[{\dtf])""")
+_TOML_LINE = re.compile(
+    r"""^\s*(\[\[?\s*[A-Za-z_][\w.-]*\s*\]\]?"""  # [table] or [[array]]
+    r"""|[A-Za-z_][\w-]*\s*=\s*["'\[{\dtf])"""  # key = "str" / [..] / {..} / 1 / true
+)
 
 
 def load_cluster(

@@ -11,8 +11,8 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from corral.errors import InventoryError
 from corral.hostrange import HostRangeError, expand
@@ -73,7 +73,9 @@ def positive_int(value: str, *, what: str, path: str | None, line: int | None) -
 
 def port_number(value: int, *, what: str, path: str | None, line: int | None) -> int:
     if not 1 <= value <= 65535:
-        raise InventoryError(f"{what} must be between 1 and 65535, got {value}", path=path, line=line)
+        raise InventoryError(
+            f"{what} must be between 1 and 65535, got {value}", path=path, line=line
+        )
     return value
 
 

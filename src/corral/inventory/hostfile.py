@@ -78,7 +78,8 @@ def parse_hostfile(text: str, *, label: str) -> list[Host]:
         raise InventoryError(
             "hostfile lists no hosts",
             path=label,
-            hint="write one host per line, e.g. 'gpu01 slots=8' (lines starting with # are comments)",
+            hint="write one host per line, e.g. 'gpu01 slots=8' "
+            "(lines starting with # are comments)",
         )
     return hosts
 
@@ -104,7 +105,9 @@ def _parse_line(body: str, *, label: str, line: int) -> list[Host]:
             )
     if "username" in keys:
         if user is not None:
-            raise InventoryError("user given twice ('user@' and 'username=')", path=label, line=line)
+            raise InventoryError(
+                "user given twice ('user@' and 'username=')", path=label, line=line
+            )
         user = check_user(keys["username"], path=label, line=line)
     port = None
     if "port" in keys:

@@ -34,7 +34,7 @@ def count_gpus() -> int | None:
     try:
         proc = subprocess.run(
             [exe, "-L"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-            timeout=_NVIDIA_SMI_TIMEOUT_S,
+            timeout=_NVIDIA_SMI_TIMEOUT_S, check=False,
         )
     except (subprocess.TimeoutExpired, OSError) as err:
         log.warning("nvidia-smi -L failed (%s); treating this machine as having no GPU", err)

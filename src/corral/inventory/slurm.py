@@ -18,7 +18,7 @@ Processes per node ("slots"), in order:
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from corral.errors import InventoryError
 from corral.inventory._common import expand_names, make_host
@@ -91,6 +91,8 @@ def _gpus_per_node(environ: Mapping[str, str]) -> int | None:
     on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
     if on_node:
         if not on_node.isdigit():
-            raise InventoryError(f"cannot read {on_node!r}: expected a count", path="SLURM_GPUS_ON_NODE")
+            raise InventoryError(
+                f"cannot read {on_node!r}: expected a count", path="SLURM_GPUS_ON_NODE"
+            )
         return int(on_node) or None
     return None

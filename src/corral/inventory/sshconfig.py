@@ -79,11 +79,11 @@ def resolve_ssh(
     if failures:
         host, err = failures[0]
         more = f" (and {len(failures) - 1} more host(s))" if len(failures) > 1 else ""
+        command = " ".join(ssh_g_argv(cluster, host, ssh_config_file=ssh_config_file))
         raise InventoryError(
             f"ssh cannot read its configuration for {host.name!r}: {err}{more}",
             path=cluster.path,
-            hint=f"check ssh_options and the ssh config; `{' '.join(ssh_g_argv(cluster, host, ssh_config_file=ssh_config_file))}` "
-            "shows what ssh would use",
+            hint=f"check ssh_options and the ssh config; `{command}` shows what ssh would use",
         )
     resolved = iter(fields for fields, _ in results)
     hosts = tuple(_fill(h, next(resolved)) if not h.local else h for h in cluster.hosts)
@@ -97,7 +97,7 @@ def _ssh_g(cluster: Cluster, host: Host, config: str | None) -> tuple[dict[str, 
     try:
         proc = subprocess.run(
             argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-            timeout=SSH_G_TIMEOUT_S,
+            timeout=SSH_G_TIMEOUT_S, check=False,
         )
     except subprocess.TimeoutExpired:
         return {}, f"`ssh -G` did not finish in {SSH_G_TIMEOUT_S:.0f}s (a slow 'Match exec'?)"

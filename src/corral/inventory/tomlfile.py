@@ -172,7 +172,8 @@ class _TomlReader:
             if want is int and key == "slots" and value <= 0:
                 raise self.fail(f"{where} slots must be a positive integer, got {value}", *at, key)
             if want is int and key == "port":
-                port_number(value, what=f"{where} port", path=self.label, line=self.lines.line(*at, key))
+                line = self.lines.line(*at, key)
+                port_number(value, what=f"{where} port", path=self.label, line=line)
             if key == "user":
                 check_user(value, path=self.label, line=self.lines.line(*at, key))
 
@@ -222,7 +223,9 @@ class _TomlReader:
         labels = entry.get("labels", [])
         for i, label in enumerate(labels):
             if not isinstance(label, str) or not label:
-                raise self.fail(f"labels[{i}] must be a non-empty string, got {label!r}", *at, "labels")
+                raise self.fail(
+                    f"labels[{i}] must be a non-empty string, got {label!r}", *at, "labels"
+                )
         return make_host(
             name,
             address=entry.get("address"),
@@ -254,7 +257,9 @@ class _TomlReader:
         line = self.lines.line(*at, "ssh_options")
         for i, opt in enumerate(options):
             if not isinstance(opt, str):
-                raise self.fail(f"ssh_options[{i}] must be a string, got {opt!r}", *at, "ssh_options")
+                raise self.fail(
+                    f"ssh_options[{i}] must be a string, got {opt!r}", *at, "ssh_options"
+                )
             check_ssh_option(opt, what=f"ssh_options[{i}]", path=self.label, line=line)
         return tuple(options)
 
