@@ -73,7 +73,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
     can SSH into (or a Slurm allocation), checked, fast, and diagnosed.
 
     With no cluster given, the cluster is this machine.  Start with
-    `corral run train.py`, `corral hosts -f hostfile` or `corral sandbox up 4`.
+    `corral run train.py`, `corral hosts -c hostfile` or `corral sandbox up 4`.
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
