@@ -184,7 +184,10 @@ class _TomlReader:
         try:
             text = read_text(file, label=shown, what="hostfile")
         except InventoryError as err:
-            raise self.fail(f"[cluster] hostfile: {err.message}", "cluster", "hostfile") from None
+            raise self.fail(
+                f"[cluster] hostfile: {err.message} (looked at {file})", "cluster", "hostfile",
+                hint="a relative hostfile path is relative to the cluster file",
+            ) from None
         return [
             host.with_(
                 user=host.user or cfg.get("user"),
