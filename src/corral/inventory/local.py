@@ -12,6 +12,7 @@ import logging
 import shutil
 import socket
 import subprocess
+import sys
 
 from corral.model import Cluster, Host
 
@@ -54,6 +55,9 @@ def local_cluster(*, gpus: int | None = None, detect: bool = True) -> Cluster:
     if gpus is None and detect:
         gpus = count_gpus()
     name = socket.gethostname() or "localhost"
-    host = Host(name=name, address="127.0.0.1", local=True, slots=gpus or CPU_SLOTS)
+    # The interpreter running corral: in a virtual environment that is the one
+    # with the user's torch, which a bare `python3` on PATH may not be.
+    host = Host(name=name, address="127.0.0.1", local=True, slots=gpus or CPU_SLOTS,
+                python=sys.executable or "python3")
     what = f"{gpus} GPU process(es)" if gpus else f"{CPU_SLOTS} CPU processes, no GPU found"
     return Cluster(hosts=(host,), source=f"this machine ({name}: {what})")

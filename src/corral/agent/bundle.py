@@ -1,0 +1,64 @@
+"""Pack the node agent for the wire and build the bootstrap command.
+
+The remote command line stays short and fixed: a one-line bootstrap reads a
+length-prefixed JSON payload from stdin (the agent's modules), installs them
+as in-memory modules and hands stdin over to the agent, which keeps reading
+its ops from it.  Nothing is written to the node's disk to start it.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+
+#: Node-side modules, in dependency order: wire name -> file in corral/agent.
+NODE_MODULES = {
+    "corral_agent_probes": "probes.py",
+    "corral_agent_node": "node.py",
+}
+MAIN = "corral_agent_node"
+
+# Runs from the payload (not argv), so it can be longer and checked.
+_BOOT = """
+import sys, types
+if sys.version_info < (3, 8):
+    sys.stdout.write('{"ev":"fatal","t":"corral needs Python 3.8+ on the node, found %s"}\\n' % sys.version.split()[0])
+    sys.stdout.flush()
+    raise SystemExit(3)
+for _name in _b["order"]:
+    _m = types.ModuleType(_name)
+    _m.__file__ = "<corral:%s>" % _name
+    sys.modules[_name] = _m
+for _name in _b["order"]:
+    exec(compile(_b["modules"][_name], "<corral:%s>" % _name, "exec"), sys.modules[_name].__dict__)
+raise SystemExit(sys.modules[_b["main"]].main(_r))
+"""
+
+#: The whole remote program as seen in argv/ps (no quotes that csh would mind).
+BOOTSTRAP = (
+    "import sys,json;_r=sys.stdin.buffer;_n=int(_r.readline());"
+    "_b=json.loads(_r.read(_n).decode());exec(_b['boot'])"
+)
+
+
+@lru_cache(maxsize=1)
+def hook_source() -> str:
+    """The rank hook (sitecustomize) the agent installs for the workload."""
+    return resources.files("corral.agent").joinpath("hook/sitecustomize.py").read_text()
+
+
+@lru_cache(maxsize=1)
+def payload() -> bytes:
+    """Length-prefixed JSON with the agent's modules: what the head writes first."""
+    pkg = resources.files("corral.agent")
+    modules = {name: pkg.joinpath(fname).read_text() for name, fname in NODE_MODULES.items()}
+    body = json.dumps(
+        {"boot": _BOOT, "order": list(NODE_MODULES), "modules": modules, "main": MAIN}
+    ).encode()
+    return str(len(body)).encode() + b"\n" + body
+
+
+def remote_argv(python: str, tag: str) -> list[str]:
+    """argv that starts the agent on a node; ``tag`` makes it findable in ps."""
+    return [python, "-c", BOOTSTRAP, "corral-agent", tag]

@@ -1,0 +1,124 @@
+"""corral's rank hook, imported by every Python process of a corral run.
+
+The node agent puts this file's directory first on the workload's PYTHONPATH,
+so Python imports it at start-up (``site`` imports ``sitecustomize``), before
+any user code runs.  The user's script is unchanged.
+
+In a process that is a training rank (torchrun/DeepSpeed set ``RANK``;
+Lightning's children set ``LOCAL_RANK`` and ``NODE_RANK``), it:
+
+- points the process's stdout and stderr (the file descriptors, so C and
+  NCCL output too) at ``$CORRAL_LOG_DIR/rank<N>.out`` / ``.err``, which the
+  agent tails.  Files, not pipes: a slow head or network never blocks a
+  training step, and nothing is lost if the head disconnects;
+- records its pid (``rank<N>.pid``) so the agent can tell which rank exited
+  first and signal exactly the ranks (never by name);
+- records an uncaught exception's last line (``rank<N>.status``);
+- registers a faulthandler stack dump on ``CORRAL_STACK_SIGNAL`` into
+  ``rank<N>.stacks`` so ``corral stacks`` / ``--hang-timeout`` can show
+  where every rank is, without ptrace or special privileges.
+
+Processes that are not ranks (torchrun itself, ``accelerate launch``) are
+left alone.  Then the next ``sitecustomize`` on sys.path, if any, is run, so
+an environment's own customisation still applies.  Stdlib only, Python 3.8+,
+and it never raises: a broken hook must not break training.
+"""
+
+import os
+import sys
+
+
+def _corral_rank():
+    env = os.environ
+    rank = env.get("RANK", "")
+    if rank.isdigit():
+        return int(rank)
+    local = env.get("LOCAL_RANK", "")
+    node = env.get("GROUP_RANK") or env.get("NODE_RANK") or ""
+    per_node = env.get("CORRAL_NPROC_PER_NODE", "")
+    if local.isdigit() and node.isdigit() and per_node.isdigit():
+        return int(node) * int(per_node) + int(local)
+    return None
+
+
+def _corral_install():
+    log_dir = os.environ.get("CORRAL_LOG_DIR")
+    if not log_dir or not os.path.isdir(log_dir):
+        return
+    rank = _corral_rank()
+    if rank is None:
+        return
+    if os.environ.get("CORRAL_CAPTURED") == str(rank):
+        return  # a child of this rank (a DataLoader worker): fds already point at the files
+    os.environ["CORRAL_CAPTURED"] = str(rank)
+    base = os.path.join(log_dir, "rank%d" % rank)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    for fd, ext in ((1, "out"), (2, "err")):
+        target = os.open(base + "." + ext, flags, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    try:
+        sys.stdout.reconfigure(line_buffering=True)
+    except Exception:
+        pass
+    tmp = base + ".pid.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, base + ".pid")
+
+    previous = sys.excepthook
+
+    def record_exception(etype, value, tb):
+        try:
+            import json
+
+            text = "%s: %s" % (etype.__name__, value) if str(value) else etype.__name__
+            with open(base + ".status", "w") as f:
+                json.dump({"exc": text[:2000]}, f)
+        except Exception:
+            pass
+        previous(etype, value, tb)
+
+    sys.excepthook = record_exception
+
+    sig = os.environ.get("CORRAL_STACK_SIGNAL", "")
+    if sig.isdigit():
+        try:
+            import faulthandler
+
+            stacks = open(base + ".stacks", "a")
+            faulthandler.register(int(sig), file=stacks, all_threads=True, chain=False)
+        except Exception:
+            pass
+
+
+def _corral_chain():
+    """Run the sitecustomize this one shadows, if the environment has one."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        if not entry or os.path.abspath(entry) == here:
+            continue
+        candidate = os.path.join(entry, "sitecustomize.py")
+        if os.path.isfile(candidate):
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location("_corral_next_sitecustomize", candidate)
+            if spec is not None and spec.loader is not None:
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            return
+
+
+try:
+    _corral_install()
+except Exception:
+    pass
+try:
+    _corral_chain()
+except Exception:
+    pass

@@ -1,0 +1,187 @@
+"""Small node-side checks run by the agent before a launch (stdlib only).
+
+Called through the agent's ``call`` op as ``probes.<function>``; arguments
+and results are JSON.  Everything here is read-only except the short-lived
+listening sockets used to prove that peers can reach the rendezvous address.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+_listeners: dict = {}
+
+#: Interface name prefixes that never carry traffic between nodes.
+_NOT_BETWEEN_NODES = ("lo", "docker", "veth", "virbr", "br-", "cni", "flannel", "cali", "kube-ipvs")
+
+
+def interfaces() -> list:
+    """IPv4 address of each interface: [{"name", "address", "prefix"}]."""
+    out = []
+    try:
+        import fcntl
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            for _, name in socket.if_nameindex():
+                packed = struct.pack("256s", name.encode()[:15])
+                try:
+                    addr = fcntl.ioctl(sock.fileno(), 0x8915, packed)  # SIOCGIFADDR
+                    mask = fcntl.ioctl(sock.fileno(), 0x891B, packed)  # SIOCGIFNETMASK
+                except OSError:
+                    continue  # no IPv4 address on this interface
+                address = socket.inet_ntoa(addr[20:24])
+                prefix = bin(struct.unpack("!I", mask[20:24])[0]).count("1")
+                out.append({"name": name, "address": address, "prefix": prefix})
+        finally:
+            sock.close()
+    except (ImportError, OSError, AttributeError):
+        pass
+    return out
+
+
+def routable_addresses() -> list:
+    """Addresses that may reach other nodes (not loopback/docker/veth...)."""
+    return [i for i in interfaces() if not i["name"].startswith(_NOT_BETWEEN_NODES)]
+
+
+def gpu_count():
+    """Number of GPUs nvidia-smi lists, or None when there is no nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        res = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if res.returncode != 0:
+        return None
+    n = sum(1 for line in res.stdout.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = min(n, len([v for v in visible.split(",") if v.strip()]))
+    return n
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host right now (the kernel's pick)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=()) -> dict:
+    """Everything the head needs to plan a launch, in one round trip."""
+    result = {
+        "hostname": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "addresses": routable_addresses(),
+        "gpus": gpu_count(),
+        "cpus": os.cpu_count(),
+        "workdir": None,
+        "missing": [],
+        "modules": {m: _importable(m) for m in modules},
+        "env": {k: os.environ[k] for k in env_names if k in os.environ},
+    }
+    base = None
+    if workdir:
+        exists = os.path.isdir(workdir)
+        result["workdir"] = {"path": workdir, "exists": exists, "writable": exists and os.access(workdir, os.W_OK)}
+        base = workdir if exists else None
+    for p in paths:
+        full = p if os.path.isabs(p) or base is None else os.path.join(base, p)
+        if not os.path.exists(full):
+            result["missing"].append(p)
+    if want_port:
+        result["port"] = free_port()
+    return result
+
+
+def listen_start(addresses, port, seconds=10.0) -> dict:
+    """Listen on ``port`` at each address until ``listen_stop`` (or timeout).
+
+    Peers then ``connect`` to prove the rendezvous address is reachable from
+    every node (firewalls, wrong interfaces) before torchrun is started.
+    """
+    bound, errors = [], {}
+    socks = []
+    for addr in addresses:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+            s.listen(64)
+            s.settimeout(0.2)
+            socks.append(s)
+            bound.append(addr)
+        except OSError as e:
+            errors[addr] = str(e)
+            s.close()
+    stop = threading.Event()
+    _listeners[port] = (stop, socks)
+
+    def serve() -> None:
+        deadline = time.monotonic() + float(seconds)
+        while not stop.is_set() and time.monotonic() < deadline:
+            for s in socks:
+                try:
+                    conn, _ = s.accept()
+                except (socket.timeout, OSError):
+                    continue
+                # Let the client close first, so TIME_WAIT stays on its side
+                # and torchrun can bind this port right after.
+                conn.settimeout(2.0)
+                try:
+                    conn.recv(1)
+                except OSError:
+                    pass
+                conn.close()
+        for s in socks:
+            s.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return {"bound": bound, "errors": errors}
+
+
+def listen_stop(port) -> bool:
+    entry = _listeners.pop(port, None)
+    if entry is None:
+        return False
+    entry[0].set()
+    return True
+
+
+def connect(addresses, port, timeout=3.0) -> dict:
+    """Try a TCP connection to each address; {address: "ok" | reason}."""
+    out = {}
+    for addr in addresses:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(float(timeout))
+        try:
+            s.connect((addr, port))
+            out[addr] = "ok"
+        except OSError as e:
+            out[addr] = str(e) or type(e).__name__
+        finally:
+            s.close()
+    return out

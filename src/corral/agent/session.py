@@ -1,0 +1,346 @@
+"""Head side of the node agent: one session per host, and a pool for a cluster.
+
+A session spawns the transport's argv (``ssh ... python3 -c BOOTSTRAP`` or
+the same locally), sends the agent payload, waits for ``hello`` and then
+exchanges JSON lines.  It pings the agent every second (the agent tears its
+tree down when the head goes silent) and tracks when it last heard from the
+agent (the head declares a node lost when the agent goes silent).
+
+Spawned processes get ``PR_SET_PDEATHSIG``: if the head is SIGKILLed, the
+ssh clients (or the local agent) are terminated by the kernel, the channels
+close, and every agent cleans up at once instead of waiting for its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from corral.agent.bundle import payload, remote_argv
+from corral.errors import HostError, PreflightError
+from corral.model import Cluster, Host
+from corral.transport import Transport, transport_for
+
+log = logging.getLogger(__name__)
+
+PING_S = 1.0
+Event = dict[str, Any]
+EventHandler = Callable[["AgentSession", Event], None]
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class AgentError(Exception):
+    """The agent answered a call with an error."""
+
+
+@dataclass(eq=False)
+class AgentSession:
+    """A live agent on one host."""
+
+    host: Host
+    transport: Transport
+    tag: str
+    on_event: EventHandler | None = None
+    proc: asyncio.subprocess.Process | None = None
+    hello: Event = field(default_factory=dict)
+    last_heard: float = 0.0
+    closed: bool = False
+    exit_event: Event | None = None
+    _stderr: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50))
+    _pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    _ids: Any = field(default_factory=lambda: itertools.count(1))
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _hello: asyncio.Future | None = None
+    _lost: asyncio.Future | None = None
+
+    @property
+    def name(self) -> str:
+        return self.host.name
+
+    @property
+    def stderr_text(self) -> str:
+        return "\n".join(self._stderr)
+
+    async def start(self, *, timeout: float = 60.0, head_timeout: float = 10.0) -> None:
+        """Spawn, send the payload, wait for hello; raise a named HostError."""
+        argv = self.transport.argv(self.host, remote_argv(self.host.python, self.tag))
+        log.debug("%s: %s", self.name, argv)
+        loop = asyncio.get_running_loop()
+        self._hello = loop.create_future()
+        self._lost = loop.create_future()
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # Ctrl-C reaches the head only; it tears down in order
+                preexec_fn=_pdeathsig,
+                limit=16 * 1024 * 1024,
+            )
+        except FileNotFoundError as e:
+            raise HostError(self.name, f"cannot run {argv[0]!r}: {e.strerror}",
+                            hint="install the OpenSSH client (apt-get install openssh-client)") from None
+        self.last_heard = time.monotonic()
+        self._tasks = [
+            asyncio.create_task(self._read_events()),
+            asyncio.create_task(self._read_stderr()),
+        ]
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(payload())
+        try:
+            await self.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            await asyncio.wait_for(asyncio.shield(self._hello), timeout)
+        except asyncio.TimeoutError:
+            await self.kill()
+            raise HostError(self.name, f"no answer from the agent within {timeout:.0f}s",
+                            hint="check that the host is not overloaded and its Python starts", kind="timeout") from None
+        except HostError:
+            await self.kill()
+            raise
+        await self.send(op="config", head_timeout=head_timeout)
+        self._tasks.append(asyncio.create_task(self._ping()))
+
+    async def _read_events(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        reader = self.proc.stdout
+        while True:
+            try:
+                line = await reader.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                continue
+            if not line:
+                break
+            self.last_heard = time.monotonic()
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                self._stderr.append(line.decode(errors="replace").rstrip())
+                continue
+            self._dispatch(ev)
+        await self._ended()
+
+    def _dispatch(self, ev: Event) -> None:
+        kind = ev.get("ev")
+        if kind == "hb":
+            return
+        if kind == "hello":
+            self.hello = ev
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(ev)
+            return
+        if kind == "fatal" and self._hello is not None and not self._hello.done():
+            self._hello.set_exception(HostError(self.name, str(ev.get("t")), kind="agent-failed"))
+            return
+        if kind == "result":
+            fut = self._pending.pop(ev.get("id"), None)
+            if fut is not None and not fut.done():
+                if "error" in ev:
+                    fut.set_exception(AgentError(ev["error"]))
+                else:
+                    fut.set_result(ev.get("value"))
+            return
+        if kind == "exit":
+            self.exit_event = ev
+        if self.on_event is not None:
+            self.on_event(self, ev)
+
+    async def _read_stderr(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        async for raw in self.proc.stderr:
+            self._stderr.append(raw.decode(errors="replace").rstrip())
+
+    async def _ended(self) -> None:
+        """stdout closed: the agent (or ssh) is gone."""
+        assert self.proc is not None
+        try:
+            rc = await asyncio.wait_for(self.proc.wait(), 5)
+        except asyncio.TimeoutError:
+            rc = -1
+        # Give the stderr reader a moment to collect ssh's last words.
+        await asyncio.sleep(0.05)
+        err = self.transport.failure(self.host, rc, self.stderr_text)
+        if self._hello is not None and not self._hello.done():
+            self._hello.set_exception(err)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(err)
+        self.closed = True
+        if self.on_event is not None:
+            self.on_event(self, {"ev": "closed", "rc": rc, "error": err.message})
+
+    async def _ping(self) -> None:
+        while not self.closed:
+            await self.send(op="ping")
+            await asyncio.sleep(PING_S)
+
+    async def send(self, **op: Any) -> None:
+        if self.closed or self.proc is None or self.proc.stdin is None:
+            return
+        try:
+            self.proc.stdin.write((json.dumps(op) + "\n").encode())
+            await self.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            pass
+
+    async def call(self, fn: str, *, timeout: float = 30.0, **args: Any) -> Any:
+        """Run ``probes.<fn>``-style function on the node and return its value."""
+        if self.closed:
+            raise HostError(self.name, "the agent connection is closed", kind="lost")
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = fut
+        await self.send(op="call", id=call_id, fn=fn, args=args)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            self._pending.pop(call_id, None)
+            raise HostError(self.name, f"{fn} got no answer within {timeout:.0f}s", kind="timeout") from None
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    async def close(self, *, timeout: float = 10.0) -> None:
+        """Say bye (agent cleans up), then make sure the process is gone."""
+        if self.proc is None:
+            return
+        if not self.closed:
+            await self.send(op="bye")
+            try:
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
+            except (BrokenPipeError, ConnectionResetError, RuntimeError):
+                pass
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            await self.kill()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def kill(self) -> None:
+        """Drop the channel hard: the agent sees EOF and kills its tree."""
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5)
+            except asyncio.TimeoutError:
+                pass
+        self.closed = True
+
+
+class AgentPool:
+    """Agents on every host of a cluster, opened in parallel (bounded)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        tag: str,
+        on_event: EventHandler | None = None,
+        fanout: int = 64,
+        connect_timeout: float = 10.0,
+        head_timeout: float = 10.0,
+    ):
+        self.cluster = cluster
+        self.tag = tag
+        self.on_event = on_event
+        self.fanout = fanout
+        self.connect_timeout = connect_timeout
+        self.head_timeout = head_timeout
+        self.sessions: list[AgentSession] = [
+            AgentSession(host=h, transport=transport_for(cluster, h, connect_timeout=connect_timeout),
+                         tag=tag, on_event=self._relay)
+            for h in cluster.hosts
+        ]
+
+    def _relay(self, session: AgentSession, ev: Event) -> None:
+        if self.on_event is not None:
+            self.on_event(session, ev)
+
+    def __getitem__(self, name: str) -> AgentSession:
+        for s in self.sessions:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    async def open(self) -> None:
+        """Start every agent; on failure close the rest and raise all problems at once."""
+        sem = asyncio.Semaphore(self.fanout)
+
+        async def one(s: AgentSession) -> HostError | None:
+            async with sem:
+                try:
+                    await s.start(timeout=self.connect_timeout + 30, head_timeout=self.head_timeout)
+                    return None
+                except HostError as e:
+                    return e
+
+        results = await asyncio.gather(*(one(s) for s in self.sessions))
+        problems = [r for r in results if r is not None]
+        if problems:
+            await self.close()
+            raise PreflightError(problems, what="connecting")
+
+    async def call_all(
+        self, fn: str, args_for: Callable[[AgentSession], dict] | None = None, *, timeout: float = 30.0
+    ) -> dict[str, Any]:
+        """Call ``fn`` on every host; raise PreflightError naming every failure."""
+
+        async def one(s: AgentSession) -> Any:
+            return await s.call(fn, timeout=timeout, **(args_for(s) if args_for else {}))
+
+        results = await asyncio.gather(*(one(s) for s in self.sessions), return_exceptions=True)
+        problems: list[HostError] = []
+        out: dict[str, Any] = {}
+        for s, r in zip(self.sessions, results):
+            if isinstance(r, HostError):
+                problems.append(r)
+            elif isinstance(r, BaseException):
+                problems.append(HostError(s.name, f"{fn} failed: {r}", kind="agent-error"))
+            else:
+                out[s.name] = r
+        if problems:
+            raise PreflightError(problems, what=fn)
+        return out
+
+    async def broadcast(self, **op: Any) -> None:
+        await asyncio.gather(*(s.send(**op) for s in self.sessions))
+
+    async def close(self, *, timeout: float = 10.0) -> None:
+        await asyncio.gather(*(s.close(timeout=timeout) for s in self.sessions if s.proc is not None))
+
+
+async def with_pool(cluster: Cluster, tag: str, body: Callable[[AgentPool], Awaitable[Any]], **kw: Any) -> Any:
+    """Open a pool, run ``body``, always close it."""
+    pool = AgentPool(cluster, tag=tag, **kw)
+    await pool.open()
+    try:
+        return await body(pool)
+    finally:
+        await pool.close()

@@ -1,0 +1,65 @@
+"""What every launcher planner receives and returns.
+
+Launchers are pure planners: given the shape of the job and one node's
+place in it, they return the argv and environment that node runs.  Nothing
+here touches the network, so ``--dry-run`` and snapshot tests see exactly
+what a real launch would run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeContext:
+    """One node's place in the job, as a launcher needs it."""
+
+    #: Interpreter on this node (the host's ``python``).
+    python: str
+    #: Script path (or module name when ``module``), or a command for `command`.
+    program: str
+    args: tuple[str, ...]
+    module: bool
+    node_rank: int
+    nnodes: int
+    #: Processes on this node; every node runs the same number.
+    nproc: int
+    master_addr: str
+    master_port: int
+    #: Host names in node-rank order (DeepSpeed's world_info needs them).
+    hostnames: tuple[str, ...]
+    #: GPUs detected on this node (None: unknown / no nvidia-smi).
+    gpus: int | None = None
+    #: Extra arguments for the launcher itself (``--launcher-arg``).
+    launcher_args: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc
+
+    @property
+    def first_rank(self) -> int:
+        return self.node_rank * self.nproc
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCommand:
+    """What one node runs."""
+
+    argv: tuple[str, ...]
+    #: Variables this launcher sets on top of the common contract.
+    env: dict[str, str] = field(default_factory=dict)
+    #: Global rank of the launcher process's own output, when the launcher
+    #: process *is* a rank (Lightning's local rank 0, `command`); None when
+    #: it is a process manager (torchrun, accelerate, deepspeed).
+    pipe_rank: int | None = None
+    #: Python module the node must be able to import for this launcher.
+    requires: str | None = None
+
+
+def program_argv(ctx: NodeContext) -> list[str]:
+    """``script.py args`` or ``-m module args``, as launchers forward them."""
+    if ctx.module:
+        return ["-m", ctx.program, *ctx.args]
+    return [ctx.program, *ctx.args]

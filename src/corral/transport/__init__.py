@@ -1,0 +1,22 @@
+"""How the head reaches a host: argv builders (ssh, local) and failure naming.
+
+A transport only *builds argv*; ``corral.agent.session`` runs it.  The local
+transport has the same interface as the ssh one, so this machine and the
+tests take the same code path as a remote node.
+"""
+
+from __future__ import annotations
+
+from corral.model import Cluster, Host
+from corral.transport.base import Transport
+from corral.transport.local import LocalTransport
+from corral.transport.ssh import SSHTransport, classify_ssh_failure
+
+__all__ = ["Transport", "LocalTransport", "SSHTransport", "classify_ssh_failure", "transport_for"]
+
+
+def transport_for(cluster: Cluster, host: Host, *, connect_timeout: float = 10.0) -> Transport:
+    """The transport that reaches ``host``: local for this machine, else ssh."""
+    if host.local:
+        return LocalTransport()
+    return SSHTransport(cluster, connect_timeout=connect_timeout)

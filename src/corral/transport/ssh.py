@@ -1,0 +1,189 @@
+"""The ssh transport: argv for the system OpenSSH client, and failure naming.
+
+Using the system client (not a Python SSH library) means the user's
+``~/.ssh/config``, agent, ProxyJump, ports and keys just work.  The argv puts
+the user's own options first (for ssh the first value of an option wins),
+then corral's: BatchMode (never prompt in the middle of a launch),
+ConnectTimeout, keepalives (a partitioned node is noticed in seconds, not
+minutes) and connection multiplexing (ControlMaster), so the second
+connection to a host costs a few milliseconds instead of a handshake.
+Host key checking is never turned off.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import tempfile
+from pathlib import Path
+
+from corral.errors import HostError
+from corral.model import Cluster, Host
+
+#: ssh's own exit code for connection/authentication errors.
+SSH_ERROR = 255
+#: Keep the master connection this long after the last session ends (seconds).
+CONTROL_PERSIST_S = 60
+#: Sun socket paths are limited to ~108 bytes; ssh appends a random suffix.
+_MAX_CONTROL_DIR = 60
+
+
+def control_dir() -> Path:
+    """Private directory for ControlMaster sockets (created 0700)."""
+    candidates = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        candidates.append(Path(runtime) / "corral" / "ssh")
+    candidates.append(Path.home() / ".cache" / "corral" / "ssh")
+    candidates.append(Path(tempfile.gettempdir()) / f"corral-{os.getuid()}" / "ssh")
+    for path in candidates:
+        if len(str(path)) > _MAX_CONTROL_DIR:
+            continue
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(path, 0o700)
+            return path
+        except OSError:
+            continue
+    raise HostError("localhost", "no writable directory for ssh control sockets")
+
+
+def _options(opts: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    for opt in opts:
+        out += ["-o", opt]
+    return out
+
+
+class SSHTransport:
+    """Builds ``ssh`` argv for the hosts of one cluster."""
+
+    name = "ssh"
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        connect_timeout: float = 10.0,
+        multiplex: bool = True,
+        keepalive_s: int = 3,
+    ):
+        self.cluster = cluster
+        self.connect_timeout = connect_timeout
+        self.multiplex = multiplex
+        self.keepalive_s = keepalive_s
+
+    def base_argv(self, host: Host) -> list[str]:
+        """``ssh [user options] [corral options] host``, without a command."""
+        argv = ["ssh"]
+        if self.cluster.ssh_config:
+            argv += ["-F", os.path.expanduser(self.cluster.ssh_config)]
+        if host.port is not None:
+            argv += ["-p", str(host.port)]
+        if host.user is not None:
+            argv += ["-l", host.user]
+        argv += _options(host.ssh_options) + _options(self.cluster.ssh_options)
+        argv += [
+            "-o", "BatchMode=yes",
+            "-o", f"ConnectTimeout={int(max(1, self.connect_timeout))}",
+            "-o", f"ServerAliveInterval={self.keepalive_s}",
+            "-o", "ServerAliveCountMax=3",
+            "-o", "LogLevel=ERROR",
+        ]
+        if self.multiplex:
+            cdir = control_dir()
+            argv += [
+                "-o", "ControlMaster=auto",
+                "-o", f"ControlPath={cdir}/%C",
+                "-o", f"ControlPersist={CONTROL_PERSIST_S}",
+            ]
+        argv += ["-T", "-x", "-a"]  # no tty, no X11, no agent forwarding
+        argv.append(host.name)
+        return argv
+
+    def argv(self, host: Host, remote: list[str]) -> list[str]:
+        # ssh joins its arguments with spaces and hands them to the remote
+        # login shell, so quote each word exactly once here.
+        return self.base_argv(host) + ["--", " ".join(shlex.quote(w) for w in remote)]
+
+    def failure(self, host: Host, returncode: int, stderr: str) -> HostError:
+        return classify_ssh_failure(host, returncode, stderr)
+
+
+_RULES: list[tuple[str, str, str, str]] = [
+    # (regex on stderr, kind, message, hint)
+    (
+        r"REMOTE HOST IDENTIFICATION HAS CHANGED|Host key for .* has changed",
+        "host-key-changed",
+        "its host key has CHANGED since it was recorded in known_hosts",
+        "if the host was reinstalled, verify the new key out of band, then "
+        "`ssh-keygen -R {name}` and connect once; otherwise this may be an attack",
+    ),
+    (
+        r"Host key verification failed|No \S+ host key is known for|host key is not known",
+        "host-key-unknown",
+        "its host key is not in known_hosts (BatchMode never asks)",
+        "connect once with `ssh {name}` and accept the key after checking its "
+        "fingerprint, or run `corral ssh setup`",
+    ),
+    (
+        r"Permission denied",
+        "auth-refused",
+        "authentication refused (no accepted key)",
+        "install your public key on it (`corral ssh setup`, or ssh-copy-id), or set "
+        "`user`/`ssh_options = [\"IdentityFile=...\"]` in the cluster file",
+    ),
+    (
+        r"Could not resolve hostname|Name or service not known|nodename nor servname",
+        "unknown-host",
+        "its name does not resolve",
+        "check the spelling, /etc/hosts or DNS, or give `address` in corral.toml",
+    ),
+    (
+        r"Connection refused",
+        "refused",
+        "connection refused (no sshd listening on that port)",
+        "check that sshd runs there and the port is right (containers often use "
+        "`port = 2222` in corral.toml or `Port` in ~/.ssh/config)",
+    ),
+    (
+        r"timed out|Connection timed out|No route to host|Network is unreachable|Host is down",
+        "unreachable",
+        "unreachable (no answer from the network)",
+        "check that the host is up and that this machine can reach it "
+        "(VPN, firewall, bastion: ProxyJump in ~/.ssh/config)",
+    ),
+    (
+        r"Too many authentication failures",
+        "auth-refused",
+        "too many authentication failures (ssh offered too many keys)",
+        "add `ssh_options = [\"IdentitiesOnly=yes\", \"IdentityFile=...\"]` to the cluster file",
+    ),
+    (
+        r"kex_exchange_identification|Connection closed by|Connection reset by",
+        "refused",
+        "the ssh server closed the connection during the handshake",
+        "sshd may be overloaded (MaxStartups) or blocking this address; retry, "
+        "or check its logs",
+    ),
+]
+
+
+def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
+    """Turn an ssh exit status and stderr into a named, hinted HostError."""
+    text = stderr.strip()
+    if returncode == SSH_ERROR or "ssh:" in text or "ssh_exchange" in text:
+        for pattern, kind, message, hint in _RULES:
+            if re.search(pattern, text):
+                return HostError(host.name, message, hint=hint.format(name=host.name), kind=kind)
+    if returncode == 127 or re.search(r"(not found|No such file or directory)", text):
+        return HostError(
+            host.name,
+            f"cannot run the interpreter {host.python!r} there",
+            hint=f"install Python 3.8+ on {host.name} or set `python` for it in the cluster file",
+            kind="no-python",
+        )
+    last = text.splitlines()[-1] if text else f"exit code {returncode}"
+    return HostError(host.name, f"ssh failed: {last}", kind="ssh-failed")
+

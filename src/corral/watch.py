@@ -1,0 +1,218 @@
+"""The head's view of a running job: who is alive, and what failed first.
+
+``JobWatch`` consumes agent events (lines, status updates, rank exits, node
+exits, channel closes) and keeps the state the run loop decides on.  It
+knows nothing about ssh or asyncio: tests can feed it events directly.
+
+Which failure is the *root cause* is decided the way an engineer reads the
+logs: a rank that died of its own error comes before ranks that merely saw
+their peer disappear ("Connection closed by peer", NCCL aborts, store
+timeouts) or were terminated by a launcher; among equals, the first observed
+wins.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import re
+import signal as _signal
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from corral.plan import LaunchPlan, NodePlan
+
+#: Lines kept in memory per rank for the failure summary and diagnosis.
+TAIL_LINES = 400
+
+#: Errors that mean "my peer went away", not "I broke".
+_PEER_FAILURE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|DistNetworkError|"
+    r"NCCL communicator was aborted|remote process exited|RendezvousClosedError|"
+    r"RendezvousConnectionError|ncclRemoteError|Socket Timeout|recvValue|recvBytes|"
+    r"failed to recv|Connection refused|ECONNRESET|EPIPE",
+    re.I,
+)
+_TERMINATED = {int(_signal.SIGTERM), int(_signal.SIGINT), int(_signal.SIGHUP)}
+
+
+class Sink(Protocol):
+    def line(self, host: str, rank: int | None, stream: str, text: str) -> None: ...
+    def status(self, host: str, rank: int | None, text: str) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """One failed rank, node or connection, as observed by the head."""
+
+    host: str
+    rank: int | None
+    #: "exit" (non-zero code), "signal", "lost" (node stopped answering), "start".
+    kind: str
+    code: int | None = None
+    signal: int | None = None
+    #: Last line of the uncaught exception, when the rank hook saw one.
+    exc: str | None = None
+    #: Why the node was declared lost / could not start.
+    reason: str | None = None
+    #: Order of observation on the head.
+    seq: int = 0
+    #: True when this looks like a consequence of another failure.
+    consequential: bool = False
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.signal is None:
+            return None
+        try:
+            return _signal.Signals(self.signal).name
+        except ValueError:
+            return f"signal {self.signal}"
+
+    def describe(self) -> str:
+        where = f"rank {self.rank} on {self.host}" if self.rank is not None else self.host
+        if self.kind == "lost":
+            return f"{self.host} was lost: {self.reason}"
+        if self.kind == "start":
+            return f"{where} could not start: {self.reason}"
+        if self.signal is not None:
+            return f"{where} was killed by {self.signal_name}"
+        if self.code is not None:
+            return f"{where} exited with code {self.code}"
+        return f"{where} failed"
+
+    @property
+    def exit_code(self) -> int:
+        """The code corral itself exits with for this failure."""
+        if self.code:
+            return self.code
+        if self.signal:
+            return 128 + self.signal
+        return 1
+
+
+@dataclass
+class NodeState:
+    plan: NodePlan
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    exited: bool = False
+    lost: str | None = None
+    launcher_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+
+    @property
+    def done(self) -> bool:
+        return self.exited or self.lost is not None
+
+
+class JobWatch:
+    """State of one attempt of a job, fed by agent events."""
+
+    def __init__(self, plan: LaunchPlan, sinks: list[Sink]):
+        self.plan = plan
+        self.sinks = sinks
+        self.nodes: dict[str, NodeState] = {n.host.name: NodeState(plan=n) for n in plan.nodes}
+        self.tails: dict[int, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=TAIL_LINES)
+        )
+        self.failures: list[Failure] = []
+        self.stopping = False
+        self._seq = itertools.count()
+
+    # -- events ------------------------------------------------------------
+
+    def event(self, host: str, ev: dict) -> None:
+        kind = ev.get("ev")
+        node = self.nodes.get(host)
+        if node is None:
+            return
+        if kind == "line":
+            rank = ev.get("r")
+            text = ev.get("t", "")
+            (self.tails[rank] if rank is not None else node.launcher_tail).append(text)
+            for s in self.sinks:
+                s.line(host, rank, ev.get("s", "out"), text)
+        elif kind == "status":
+            for s in self.sinks:
+                s.status(host, ev.get("r"), ev.get("t", ""))
+        elif kind == "rank_exit":
+            self._rank_exit(host, ev)
+        elif kind == "exit":
+            node.exited = True
+            node.exit_code = ev.get("code")
+            node.exit_signal = ev.get("sig")
+            if ev.get("error"):
+                self._fail(Failure(host=host, rank=None, kind="start", reason=ev["error"], code=127))
+            elif (node.exit_code or node.exit_signal) and not self.stopping:
+                self._fail(Failure(host=host, rank=None, kind="signal" if node.exit_signal else "exit",
+                                   code=node.exit_code, signal=node.exit_signal,
+                                   consequential=True))  # the rank that caused it is reported separately
+        elif kind == "closed":
+            if not node.exited:
+                self.lose(host, ev.get("error") or "the connection to its agent closed")
+        elif kind == "fatal":
+            self._fail(Failure(host=host, rank=None, kind="start", reason=str(ev.get("t"))))
+            node.exited = True
+
+    def _rank_exit(self, host: str, ev: dict) -> None:
+        code, sig, exc = ev.get("code"), ev.get("sig"), ev.get("exc")
+        if not code and not sig:
+            return
+        if self.stopping and (sig in _TERMINATED or sig == int(_signal.SIGKILL) or code in (143, 137)):
+            return  # our own teardown
+        consequential = bool(exc and _PEER_FAILURE.search(exc)) or sig in _TERMINATED
+        if not consequential and not exc:
+            # No exception line recorded: look at what the rank last wrote.
+            tail = "\n".join(list(self.tails[ev.get("r")])[-30:])
+            consequential = bool(_PEER_FAILURE.search(tail))
+        self._fail(Failure(host=host, rank=ev.get("r"), kind="signal" if sig else "exit",
+                           code=code, signal=sig, exc=exc, consequential=consequential))
+
+    def lose(self, host: str, reason: str) -> None:
+        node = self.nodes[host]
+        if node.done:
+            return
+        node.lost = reason
+        if not self.stopping:
+            self._fail(Failure(host=host, rank=None, kind="lost", reason=reason))
+
+    def _fail(self, f: Failure) -> None:
+        self.failures.append(Failure(**{**f.__dict__, "seq": next(self._seq)}))
+
+    # -- decisions ---------------------------------------------------------
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failures)
+
+    @property
+    def all_done(self) -> bool:
+        return all(n.done for n in self.nodes.values())
+
+    def root_cause(self) -> Failure | None:
+        if not self.failures:
+            return None
+        return min(self.failures, key=lambda f: (f.consequential, f.rank is None and f.kind != "lost", f.seq))
+
+    def tail_for(self, failure: Failure, n: int = 30) -> list[str]:
+        """The lines that explain a failure: its traceback if there is one."""
+        if failure.rank is not None:
+            lines = list(self.tails[failure.rank])
+        else:
+            lines = list(self.nodes[failure.host].launcher_tail)
+        start = None
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].startswith("Traceback (most recent call last)"):
+                start = i
+                break
+        if start is not None:
+            return lines[start:][-n:]
+        return lines[-n:]
+
+    def text_for_diagnosis(self, failure: Failure) -> str:
+        """Everything the head kept of the failed rank and its node's launcher."""
+        parts = []
+        if failure.rank is not None:
+            parts.append("\n".join(self.tails[failure.rank]))
+        parts.append("\n".join(self.nodes[failure.host].launcher_tail))
+        return "\n".join(p for p in parts if p)
