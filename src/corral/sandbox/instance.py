@@ -1,0 +1,578 @@
+"""``Sandbox``: one named simulated cluster on this machine.
+
+``up`` converges (re-running it restarts stopped nodes, heals partitioned
+links and restores the configured rate), ``down`` removes every namespace,
+interface, process, /etc/hosts line and file the sandbox made, even after a
+crashed ``up``.  Both take a lock in the state directory, so two ``up`` of the
+same sandbox never interleave; a machine-wide lock on /etc/hosts keeps two
+*different* sandboxes from picking the same subnet.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import os
+import pwd
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from corral.errors import SandboxError, UsageError
+from corral.model import Cluster, Host
+from corral.sandbox import files, netns, node as nodes_mod, preflight, spec as specs
+from corral.sandbox.ops import UNLIMITED, NodeOps
+from corral.sandbox.spec import NodeNames, SandboxSpec
+from corral.sandbox.status import NodeStatus, SandboxStatus
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "sandbox.json"
+STATE_VERSION = 1
+#: What ``down`` may delete in a state directory; anything else is left alone.
+OWNED = {
+    STATE_FILE, "hostfile", "corral.toml", "ssh_config", "known_hosts", "id_ed25519",
+    "id_ed25519.pub", "nodes", ".lock",
+}
+#: Where the node-private directories appear inside a node.
+PRIVATE_DIRS = ("~/.ssh", "/tmp", "/var/tmp", "/srv", "/home", "/dev/shm", "/run",
+                "/etc/hosts", "/etc/passwd", "/etc/shadow", "/etc/group")
+_NODE_LOCAL = ("/tmp", "/var/tmp", "/srv")
+
+
+class Sandbox(NodeOps):
+    """A simulated multi-node cluster: one network/PID/mount/UTS namespace and
+    one real sshd per node, on a bridge of its own.
+
+    ``Sandbox(name=None)`` uses ``$CORRAL_SANDBOX`` or ``sandbox``; its state
+    lives in ``state_dir`` (default ``~/.local/state/corral/sandbox/<name>``).
+    ``prefix`` names the nodes of a new sandbox (an existing one keeps its own).
+    """
+
+    def __init__(self, name: str | None = None, *, state_dir: str | os.PathLike | None = None,
+                 prefix: str | None = None):
+        self.name = specs.check_name(name or specs.default_name())
+        self.state_dir = Path(state_dir).expanduser().absolute() if state_dir else specs.default_state_dir(self.name).absolute()
+        self.prefix = specs.check_prefix(prefix) if prefix else None
+
+    def __repr__(self) -> str:
+        return f"Sandbox(name={self.name!r}, state_dir='{self.state_dir}')"
+
+    # -- paths and facts (from the state file) ---------------------------------
+
+    @property
+    def cluster_file(self) -> Path:
+        return self.state_dir / "corral.toml"
+
+    @property
+    def hostfile(self) -> Path:
+        return self.state_dir / "hostfile"
+
+    @property
+    def ssh_config(self) -> Path:
+        return self.state_dir / "ssh_config"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.state_dir / "known_hosts"
+
+    @property
+    def identity_file(self) -> Path:
+        return self.state_dir / "id_ed25519"
+
+    @property
+    def spec(self) -> SandboxSpec:
+        """The running sandbox's parameters; ``SandboxError`` when it is not up."""
+        state = self._load()
+        if state is None:
+            raise SandboxError(
+                f"sandbox {self.name!r} is not up (no {self.state_dir / STATE_FILE})",
+                hint=f"corral sandbox up 4{'' if self.name == specs.DEFAULT_NAME else ' --name ' + self.name}",
+            )
+        return state_spec(state)
+
+    @property
+    def nodes(self) -> list[str]:
+        return [n.name for n in self.spec.all_nodes()]
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        sp = self.spec
+        return {n.name: sp.address(n.index) for n in sp.all_nodes()}
+
+    @property
+    def head_address(self) -> str:
+        return self.spec.head_address()
+
+    def node_dir(self, node: str) -> Path:
+        return self.state_dir / "nodes" / node
+
+    def cluster(self) -> Cluster:
+        """The sandbox as a ``corral.model.Cluster`` (what reading corral.toml gives)."""
+        sp = self.spec
+        state = self._load() or {}
+        return Cluster(
+            hosts=tuple(
+                Host(name=n.name, address=sp.address(n.index), port=sp.ssh_port, user="root",
+                     slots=sp.slots, python=state.get("python", sys.executable))
+                for n in sp.all_nodes()
+            ),
+            source=f"sandbox {self.name} ({self.cluster_file})",
+            name=self.name,
+            ssh_options=tuple(files.ssh_options(sp, self.state_dir)),
+            path=str(self.cluster_file),
+        )
+
+    # -- up --------------------------------------------------------------------
+
+    def up(
+        self,
+        n: int | None = None,
+        *,
+        rate: str | int | None = None,
+        ssh_port: int | None = None,
+        with_keys: bool | None = None,
+        password_auth: bool | None = None,
+        password: str | None = None,
+        extra_nic: str | Sequence[str] | None = None,
+        slots: int | None = None,
+        subnet: str | None = None,
+    ) -> SandboxStatus:
+        """Bring up ``n`` nodes, or converge a running sandbox back to its settings.
+
+        An argument left at ``None`` means "as the running sandbox has it" (or
+        the default, for a new one), so ``up()`` alone repairs a sandbox:
+        stopped nodes start, partitioned links heal, ``slow`` rates reset.
+        Asking a running sandbox for a different node count, port, keys,
+        password auth, NICs or subnet is refused (``down`` first).  ``rate``
+        is ``"200mbit"``, bits/s, or ``"off"``; it and ``slots`` may change.
+        """
+        request = specs.UpRequest(
+            nodes=n, rate=_rate(rate), ssh_port=ssh_port, with_keys=with_keys,
+            password_auth=password_auth, extra_nics=None if extra_nic is None else specs.check_extra_nics(extra_nic),
+            slots=slots, subnet=subnet, prefix=self.prefix,
+        )
+        if n is None and not (self.state_dir / STATE_FILE).exists():
+            raise UsageError(
+                f"sandbox {self.name!r} is not up: `corral sandbox up N` creates one of N nodes",
+                hint=f"corral sandbox up 4 --with-keys{_name_flag(self.name)}",
+            )
+        tools = preflight.check()
+        python, private_home = _python_layout()
+        self._claim_state_dir()
+        with self._lock():
+            state = self._load()
+            if state is not None and "spec" in state:
+                running = state_spec(state)
+                sp = request.resolve(self.name, running)
+                diffs = running.differences(sp)
+                if diffs:
+                    raise SandboxError(
+                        f"sandbox {self.name!r} is already up with other settings ({'; '.join(diffs)})",
+                        hint=f"corral sandbox down{_name_flag(self.name)} first, or use another --name",
+                    )
+                state["rates"] = {}
+            else:
+                if n is None:
+                    raise UsageError(f"sandbox {self.name!r} is not up: `corral sandbox up N` creates one",
+                                     hint=f"corral sandbox up 4 --with-keys{_name_flag(self.name)}")
+                self._teardown(quiet=True)  # leftovers of a crashed up without state
+                sp = request.resolve(self.name, None)
+                state = {"version": STATE_VERSION, "python": python, "private_home": private_home,
+                         "created": time.time(), "rates": {}}
+            if password is not None and not sp.password_auth:
+                raise UsageError("--password only makes sense with --password-auth",
+                                 hint="corral sandbox up 4 --password-auth --password SECRET")
+            sp = self._network_and_names(sp, state, explicit_subnet=subnet is not None)
+            self._prepare_files(sp, state, password)
+            self._ensure_network(sp)
+            self._start_nodes(sp, state, tools)
+            self._check_mesh(sp)
+            self._write_head_files(sp, state)
+        return self.status()
+
+    def _claim_state_dir(self) -> None:
+        """Create the state dir, refusing one that holds anything but a sandbox."""
+        if self.state_dir.exists():
+            foreign = sorted(set(os.listdir(self.state_dir)) - OWNED - {STATE_FILE + ".tmp"})
+            if foreign and not (self.state_dir / STATE_FILE).exists():
+                raise SandboxError(
+                    f"--state-dir {self.state_dir}: not empty and not a sandbox's state directory "
+                    f"(holds {', '.join(foreign[:3])}{'...' if len(foreign) > 3 else ''})",
+                    hint="point --state-dir at a new or empty directory; `down` deletes it",
+                )
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)
+
+    def _network_and_names(self, sp: SandboxSpec, state: dict, *, explicit_subnet: bool) -> SandboxSpec:
+        """Under the machine-wide lock: pick free subnets, claim node names, make bridges."""
+        with files.locked_etc_hosts() as (text, write):
+            if "spec" not in state:
+                ours = {sp.bridge, sp.fast_bridge}
+                in_use = netns.networks_in_use(ignore_links=ours)
+                if explicit_subnet:
+                    clash = [str(x) for x in in_use if x.overlaps(sp.network())]
+                    if clash:
+                        raise SandboxError(f"--subnet {sp.subnet} overlaps {clash[0]}, in use on this machine",
+                                           hint="pick another --subnet, or leave it out to get a free one")
+                else:
+                    sp = replace(sp, subnet=str(specs.pick_subnet(self.name, in_use)))
+                if "fast" in sp.extra_nics:
+                    fast = specs.pick_subnet(self.name + ":fast", in_use + [sp.network()])
+                    sp = replace(sp, fast_subnet=str(fast))
+            claimed = files.names_claimed(text, exclude=self.name)
+            taken = [f"{n.name} ({claimed[n.name]})" for n in sp.all_nodes() if n.name in claimed]
+            if taken:
+                raise SandboxError(
+                    f"node name(s) already in use on this machine: {', '.join(taken[:4])}",
+                    hint="choose another node name prefix with --prefix, e.g. --prefix sim",
+                )
+            state["spec"] = spec_dict(sp)
+            self._save(state)
+            self._ensure_bridges(sp)
+            write(files.with_block(text, self.name, self._host_entries(sp)))
+        return sp
+
+    def _ensure_bridges(self, sp: SandboxSpec) -> None:
+        present = netns.links()
+        alias = f"corral-sandbox:{self.name}"
+        lines: list[str] = []
+        wanted = [(sp.bridge, sp.subnet)]
+        if sp.fast_subnet:
+            wanted.append((sp.fast_bridge, sp.fast_subnet))
+        for bridge, subnet in wanted:
+            entry = present.get(bridge)
+            if entry is not None and entry.get("ifalias") not in (alias, None):
+                raise SandboxError(
+                    f"interface {bridge} belongs to {entry.get('ifalias')}, not to sandbox {self.name!r}",
+                    hint="two sandbox names hash to the same tag; use another --name",
+                )
+            if entry is None:
+                head = str(ipaddress.IPv4Network(subnet)[1])
+                plen = subnet.split("/")[1]
+                lines += [
+                    f"link add {bridge} type bridge forward_delay 0 stp_state 0",
+                    f"link set dev {bridge} alias {alias} up",
+                    f"addr add {head}/{plen} dev {bridge}",
+                ]
+            elif not netns.link_is_up(entry):
+                lines.append(f"link set dev {bridge} up")
+        netns.ip_batch(lines)
+
+    def _host_entries(self, sp: SandboxSpec) -> list[files.HostEntry]:
+        return [files.HostEntry(address=sp.address(n.index), name=n.name) for n in sp.all_nodes()]
+
+    def _prepare_files(self, sp: SandboxSpec, state: dict, password: str | None) -> None:
+        base_hosts = files.strip_blocks(files.ETC_HOSTS.read_text())
+        hosts_text = files.with_block(base_hosts, self.name, self._host_entries(sp))
+        passwd, shadow, group = (Path(p).read_text() for p in ("/etc/passwd", "/etc/shadow", "/etc/group"))
+        test_user = None
+        if sp.password_auth:
+            uid = state.setdefault("test_uid", files.free_uid(passwd, group))
+            home = f"/home/{specs.TEST_USER}" if state["private_home"] else f"/srv/home/{specs.TEST_USER}"
+            test_user = (uid, home)
+            if password is not None or "test_password_hash" not in state:
+                # Only the hash is kept (it is in every node's /etc/shadow anyway).
+                state["test_password_hash"] = files.hash_password(password or specs.DEFAULT_PASSWORD)
+                state["test_password_default"] = password in (None, specs.DEFAULT_PASSWORD)
+            user_files = files.accounts(passwd, shadow, group,
+                                        test_user=(uid, home, state["test_password_hash"]))
+        else:
+            user_files = files.accounts(passwd, shadow, group, test_user=None)
+        accounts = nodes_mod.Accounts(passwd=user_files[0], shadow=user_files[1], group=user_files[2],
+                                      test_user=test_user)
+        key = None
+        if sp.with_keys:
+            files.generate_user_key(self.identity_file, f"corral-sandbox-{self.name}")
+            key = Path(str(self.identity_file) + ".pub").read_text()
+        for nn in sp.all_nodes():
+            nodes_mod.prepare_dir(self.node_dir(nn.name), sp, nn, hosts_text=hosts_text,
+                                  accounts=accounts, authorized_key=key,
+                                  private_home=state["private_home"])
+        files.generate_host_keys([self.node_dir(nn.name) for nn in sp.all_nodes()],
+                                 [f"root@{nn.name}" for nn in sp.all_nodes()])
+        _ensure_mountpoints(state["private_home"])
+        self._save(state)
+
+    def _ensure_network(self, sp: SandboxSpec) -> None:
+        """Create each node's namespace and links, or bring existing ones back up."""
+        present = netns.links()
+        spaces = set(netns.netns_list())
+        head: list[str] = []
+        inside: dict[str, list[str]] = {}
+        for nn in sp.all_nodes():
+            if nn.netns in spaces and nn.veth in present:
+                head.append(f"link set dev {nn.veth} up")  # heal a partition
+                if sp.fast_subnet:
+                    head.append(f"link set dev {nn.fast_veth} up")
+                continue
+            if nn.netns in spaces:  # half-built: start this node from scratch
+                netns.empty_netns([nn.netns])
+                netns.run(["ip", "netns", "del", nn.netns])
+            for stale in (nn.veth, nn.fast_veth):
+                if stale in present:
+                    head.append(f"link del {stale}")
+            h, i = nodes_mod.network_commands(sp, nn)
+            head += h
+            inside[nn.netns] = i
+        netns.ip_batch(head)
+        for ns, lines in inside.items():
+            netns.ip_batch(lines, netns=ns)
+        for nn in sp.all_nodes():
+            if sp.rate is not None or nn.netns not in inside:
+                self._shape(sp, nn, sp.rate)
+
+    def _shape(self, sp: SandboxSpec, nn: NodeNames, bps: int | None) -> None:
+        netns.shape(nn.veth, bps)
+        netns.shape("eth0", bps, netns=nn.netns)
+
+    def _start_nodes(self, sp: SandboxSpec, state: dict, tools: dict[str, str]) -> None:
+        running = netns.pids_by_netns([nn.netns for nn in sp.all_nodes()])
+        hide = [str(self.state_dir)]
+        if specs.state_base().is_dir():
+            hide.append(str(specs.state_base().absolute()))
+        home = pwd.getpwuid(0).pw_dir
+        for nn in sp.all_nodes():
+            if netns.find_init(running[nn.netns]) is not None:
+                continue
+            if running[nn.netns]:  # processes without an init: clear them first
+                netns.empty_netns([nn.netns])
+            nodes_mod.start(tools=tools, python=state["python"], spec=sp, node=nn,
+                            node_dir=self.node_dir(nn.name), home=home,
+                            private_home=state["private_home"], hide=hide)
+        nodes_mod.wait_ready(sp, sp.all_nodes(), {nn.name: self.node_dir(nn.name) for nn in sp.all_nodes()})
+
+    def _check_mesh(self, sp: SandboxSpec) -> None:
+        """Node-to-node traffic crosses the bridge: prove it once (first -> last node).
+
+        A host firewall can block bridged traffic (docker sets FORWARD to DROP
+        and br_netfilter sends bridged packets through it); better to say so
+        now than to let the first rendezvous hang.
+        """
+        if sp.nodes < 2:
+            return
+        first, last = sp.node(1), sp.node(sp.nodes)
+        code = (f"import socket; socket.create_connection(({sp.address(last.index)!r}, "
+                f"{sp.ssh_port}), 3).close()")
+        proc = self.exec(first.name, [sys.executable, "-I", "-S", "-c", code], timeout=10)
+        if proc.returncode != 0:
+            raise SandboxError(
+                f"{first.name} cannot reach {last.name} ({sp.address(last.index)}:{sp.ssh_port}) "
+                "across the sandbox bridge, although the head reaches both",
+                hint="a firewall filters bridged traffic (e.g. docker's FORWARD DROP with "
+                "br_netfilter): `iptables -S FORWARD`; allow the bridge "
+                f"({sp.bridge}) or `sysctl net.bridge.bridge-nf-call-iptables=0`",
+            )
+
+    def _write_head_files(self, sp: SandboxSpec, state: dict) -> None:
+        if sp.with_keys:
+            keys = {nn.name: nodes_mod.host_key(self.node_dir(nn.name)) for nn in sp.all_nodes()}
+            files.write_text(self.known_hosts, files.known_hosts(sp, keys))
+        elif not self.known_hosts.exists():
+            files.write_text(self.known_hosts, "")
+        files.write_text(self.hostfile, files.hostfile(sp))
+        files.write_text(self.cluster_file, files.corral_toml(sp, self.state_dir, state["python"]))
+        files.write_text(self.ssh_config, files.ssh_config(sp, self.state_dir))
+        state["spec"] = spec_dict(sp)
+        self._save(state)
+
+    # -- down ------------------------------------------------------------------
+
+    def down(self) -> dict:
+        """Remove everything of this sandbox; idempotent.  Returns what was removed."""
+        preflight.check_privileges()
+        if self.state_dir.exists():
+            with self._lock():
+                removed = self._teardown()
+                removed["state_dir"] = self._remove_state_dir()
+        else:
+            removed = self._teardown()
+            removed["state_dir"] = None
+        return removed
+
+    def _teardown(self, *, quiet: bool = False) -> dict:
+        """Kill, then delete namespaces, links and the /etc/hosts block (state dir kept)."""
+        prefix = specs.netns_prefix(self.name)
+        spaces = [ns for ns in netns.netns_list() if ns.startswith(prefix)]
+        left = netns.empty_netns(spaces) if spaces else {}
+        if left:
+            pids = ", ".join(f"{ns}: {' '.join(map(str, p))}" for ns, p in left.items())
+            raise SandboxError(f"processes survived SIGKILL ({pids}); nothing was removed",
+                               hint="they are stuck in the kernel (D state?); retry `corral sandbox down` later")
+        if spaces:
+            netns.ip_batch((f"netns del {ns}" for ns in spaces), force=True)
+        ours = self._own_links()
+        # A veth whose namespace just went may vanish on its own while we delete it.
+        netns.ip_batch((f"link del {name}" for name in ours), force=True)
+        with files.locked_etc_hosts() as (text, write):
+            stripped = files.strip_blocks(text, self.name)
+            had_block = stripped != text
+            if had_block:
+                write(stripped)
+        if (spaces or ours or had_block) and quiet:
+            log.info("removed leftovers of sandbox %s: %s %s", self.name, spaces, ours)
+        leftover = self._leftovers(prefix)
+        if leftover:
+            raise SandboxError(f"could not remove {', '.join(leftover)}",
+                               hint="retry `corral sandbox down`; see `ip link` and `ip netns list`")
+        return {"namespaces": spaces, "links": ours, "hosts_block": had_block}
+
+    def _leftovers(self, prefix: str, timeout: float = 2.0) -> list[str]:
+        """Namespaces and links still there (kernel cleanup is asynchronous: wait a bit)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = [ns for ns in netns.netns_list() if ns.startswith(prefix)] + self._own_links()
+            if not left or time.monotonic() > deadline:
+                return left
+            netns.ip_batch((f"link del {name}" for name in self._own_links()), force=True)
+            time.sleep(0.1)
+
+    def _own_links(self) -> list[str]:
+        tag = specs.tag_for(self.name)
+        alias = f"corral-sandbox:{self.name}"
+        out = []
+        for name, entry in netns.links().items():
+            if entry.get("ifalias") == alias:
+                out.append(name)
+            elif name.startswith(tag) and entry.get("ifalias") is None and name[len(tag):][:1] in ("b", "e", "f"):
+                out.append(name)  # created, crashed before its alias was set
+        # Bridges last: a veth enslaved to a bridge goes with its namespace anyway.
+        return sorted(out, key=lambda n: n.startswith(tag + "b"))
+
+    def _remove_state_dir(self) -> str | None:
+        if not self.state_dir.exists():
+            return None
+        for entry in os.listdir(self.state_dir):
+            path = self.state_dir / entry
+            if entry not in OWNED and not entry.endswith(".tmp"):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        try:
+            self.state_dir.rmdir()
+        except OSError:
+            log.warning("left %s in place: it holds files corral did not create", self.state_dir)
+        return str(self.state_dir)
+
+    # -- status ----------------------------------------------------------------
+
+    def status(self) -> SandboxStatus:
+        state = self._load()
+        if state is None or "spec" not in state:
+            return SandboxStatus(name=self.name, state_dir=str(self.state_dir), exists=False)
+        sp = state_spec(state)
+        present = netns.links()
+        spaces = set(netns.netns_list())
+        pids = netns.pids_by_netns([nn.netns for nn in sp.all_nodes()])
+        rates = state.get("rates", {})
+        out = []
+        for nn in sp.all_nodes():
+            members = pids[nn.netns]
+            init = netns.find_init(members)
+            link = present.get(nn.veth)
+            out.append(NodeStatus(
+                name=nn.name, address=sp.address(nn.index), fast_address=sp.fast_address(nn.index),
+                netns=nn.netns,
+                state="missing" if nn.netns not in spaces else ("running" if init else "stopped"),
+                link="missing" if link is None else ("up" if netns.link_is_up(link) else "down"),
+                rate=rates.get(nn.name, sp.rate), processes=len(members), init_pid=init,
+            ))
+        return SandboxStatus(
+            name=self.name, state_dir=str(self.state_dir), exists=True, nodes=tuple(out),
+            subnet=sp.subnet, fast_subnet=sp.fast_subnet, head_address=sp.head_address(),
+            ssh_port=sp.ssh_port, with_keys=sp.with_keys, password_auth=sp.password_auth,
+            test_user=specs.TEST_USER if sp.password_auth else None,
+            test_password=specs.DEFAULT_PASSWORD if state.get("test_password_default") else None,
+            extra_nics=sp.extra_nics, slots=sp.slots,
+            files={"cluster_file": str(self.cluster_file), "hostfile": str(self.hostfile),
+                   "ssh_config": str(self.ssh_config), "known_hosts": str(self.known_hosts),
+                   **({"identity_file": str(self.identity_file)} if sp.with_keys else {})},
+            private_dirs=tuple(d for d in PRIVATE_DIRS if d != "/home" or state.get("private_home")),
+        )
+
+    # -- state -----------------------------------------------------------------
+
+    def _load(self) -> dict | None:
+        state = files.read_json(self.state_dir / STATE_FILE)
+        if state is not None and state.get("version") != STATE_VERSION:
+            raise SandboxError(f"{self.state_dir / STATE_FILE}: written by another corral version",
+                               hint="corral sandbox down with that version, then up again")
+        return state
+
+    def _save(self, state: dict) -> None:
+        files.write_text(self.state_dir / STATE_FILE, nodes_mod.dump_json(state), mode=0o600)
+
+    @contextmanager
+    def _lock(self) -> Iterator[None]:
+        fd = os.open(self.state_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+
+def state_spec(state: dict) -> SandboxSpec:
+    data = dict(state["spec"])
+    data["extra_nics"] = tuple(data.get("extra_nics", ()))
+    return SandboxSpec(**data)
+
+
+def spec_dict(sp: SandboxSpec) -> dict:
+    data = asdict(sp)
+    data["extra_nics"] = list(sp.extra_nics)
+    return data
+
+
+def _rate(rate: str | int | None) -> int | None | specs.Unshaped:
+    """``None``: not asked; ``UNSHAPED``: asked for no limit; else bits/s."""
+    if rate is None or isinstance(rate, int):
+        return rate
+    if rate.strip().lower() in UNLIMITED:
+        return specs.UNSHAPED
+    return specs.parse_rate(rate)
+
+
+def _name_flag(name: str) -> str:
+    return "" if name == specs.DEFAULT_NAME else f" --name {name}"
+
+
+def _python_layout() -> tuple[str, bool]:
+    """The interpreter nodes run, and whether /home can be node-private.
+
+    Nodes share the head's filesystem except their private directories, like
+    machines booted from one image; the head's Python must be visible there.
+    """
+    python = sys.executable
+    paths = {os.path.abspath(p) for p in (python, sys.prefix, sys.base_prefix)}
+    paths.add(os.path.realpath(python))
+    for path in paths:
+        for private in _NODE_LOCAL:
+            if path == private or path.startswith(private + "/"):
+                raise SandboxError(
+                    f"this Python ({path}) lives under {private}, which is private to each "
+                    "sandbox node: the nodes could not run it",
+                    hint="install corral in a virtual environment outside /tmp, /var/tmp and /srv",
+                )
+    private_home = not any(p == "/home" or p.startswith("/home/") for p in paths)
+    if not private_home:
+        log.info("/home is shared with the nodes: this Python lives there (%s)", python)
+    return python, private_home
+
+
+def _ensure_mountpoints(private_home: bool) -> None:
+    """Directories a node mounts over must exist on the shared filesystem."""
+    home = pwd.getpwuid(0).pw_dir
+    wanted = [os.path.join(home, ".ssh"), "/srv", "/var/tmp"] + (["/home"] if private_home else [])
+    for path in wanted:
+        if not os.path.isdir(path):
+            log.info("creating %s (a node mounts its private copy over it)", path)
+            os.makedirs(path, mode=0o700 if path.endswith(".ssh") else 0o755, exist_ok=True)

@@ -1,0 +1,216 @@
+"""The init process of one sandbox node (stdlib only, Python 3.8+).
+
+The head starts it as::
+
+    setsid -f ip netns exec NS unshare --pid --fork --mount --uts --ipc \\
+        --propagation private PYTHON -I -S nodeinit.py --node-dir DIR ...
+
+so it runs as pid 1 of a fresh PID namespace, in the node's network
+namespace, with its own mount, UTS and IPC namespaces.  From there it makes
+the node look like a separate machine booted from the same image:
+
+- hostname = node name;
+- a fresh ``/proc`` (``ps`` shows only this node) and a private ``/run``
+  (sshd's privilege-separation directory lives there);
+- node-private ``~/.ssh``, ``/tmp``, ``/var/tmp``, ``/srv``, ``/home``,
+  ``/dev/shm``, ``/etc/hosts``, ``/etc/passwd``, ``/etc/shadow``,
+  ``/etc/group``, bind-mounted from the node's state directory;
+- the sandbox state directory (head key, other nodes' files) hidden;
+- a real OpenSSH ``sshd -D``.
+
+Then it does what pid 1 must: reap orphans, and on SIGTERM stop every
+process of the node before exiting (the kernel kills any straggler when pid 1
+of a PID namespace exits).
+
+It prints nothing but log lines on stderr, which the head sends to the
+node's ``init.log``.  It must not import corral: it runs with ``-I -S``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_BIND = 4096
+
+#: Where the node's state directory appears inside the node (private /run).
+NODE_RUN = "/run/corral/node"
+#: Seconds processes get between SIGTERM and the kernel's SIGKILL at shutdown.
+GRACE = 3.0
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+_libc.mount.restype = ctypes.c_int
+
+
+class Shutdown(Exception):
+    """Raised by the signal handler to leave the reaping loop."""
+
+
+def say(message: str) -> None:
+    sys.stderr.write("%s nodeinit[%s]: %s\n" % (time.strftime("%H:%M:%S"), socket.gethostname(), message))
+    sys.stderr.flush()
+
+
+def mount(source: str, target: str, fstype: str | None = None, flags: int = 0, data: str | None = None) -> None:
+    rc = _libc.mount(
+        source.encode(),
+        target.encode(),
+        fstype.encode() if fstype else None,
+        flags,
+        data.encode() if data else None,
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "mount %s on %s: %s" % (source, target, os.strerror(err)))
+
+
+def bind(source: str, target: str) -> None:
+    mount(source, target, None, MS_BIND)
+
+
+def host_pid() -> int:
+    """This process's pid in the root PID namespace (read before /proc is replaced)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("NSpid:"):
+                return int(line.split()[1])
+    return -1
+
+
+def setup_mounts(args: argparse.Namespace) -> None:
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # Keep a handle on the node directory: /run, /tmp or /home may hide its path.
+    fd = os.open(args.node_dir, os.O_RDONLY | os.O_DIRECTORY)
+    mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
+    os.makedirs("/run/sshd", mode=0o755)
+    os.makedirs(NODE_RUN, mode=0o700)
+    bind("/proc/self/fd/%d" % fd, NODE_RUN)
+    os.close(fd)
+    private = [
+        ("ssh", os.path.join(args.home, ".ssh")),
+        ("tmp", "/tmp"),
+        ("var-tmp", "/var/tmp"),
+        ("srv", "/srv"),
+        ("hosts", "/etc/hosts"),
+        ("passwd", "/etc/passwd"),
+        ("shadow", "/etc/shadow"),
+        ("group", "/etc/group"),
+    ]
+    if args.private_home:
+        private.append(("home", "/home"))
+    for name, target in private:
+        bind(os.path.join(NODE_RUN, name), target)
+    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    for path in args.hide:
+        if os.path.isdir(path):
+            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=700,size=4k")
+
+
+def start_sshd(sshd: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sshd, "-D", "-e", "-f", os.path.join(NODE_RUN, "sshd_config")],
+        stdin=subprocess.DEVNULL,
+        close_fds=True,
+    )
+
+
+def others() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and p != "1"]
+
+
+def reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def shutdown() -> None:
+    """SIGTERM every process of the node, wait a little, then let the kernel finish."""
+    victims = others()
+    say("stopping %d process(es)" % len(victims))
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + GRACE
+    while time.monotonic() < deadline:
+        reap()
+        if not any(_running(pid) for pid in others()):
+            break
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    raise Shutdown()
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="nodeinit")
+    parser.add_argument("--node-dir", required=True)
+    parser.add_argument("--hostname", required=True)
+    parser.add_argument("--home", default="/root")
+    parser.add_argument("--private-home", action="store_true")
+    parser.add_argument("--hide", action="append", default=[])
+    parser.add_argument("--sshd", default="/usr/sbin/sshd")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if os.getpid() != 1:
+        sys.stderr.write("nodeinit: must run as pid 1 of a new PID namespace (unshare --pid --fork)\n")
+        return 2
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    pid = host_pid()
+    try:
+        socket.sethostname(args.hostname)
+        setup_mounts(args)
+        os.chdir(args.home)
+        sshd = start_sshd(args.sshd)
+        with open(os.path.join(NODE_RUN, "init.json.tmp"), "w") as fh:
+            json.dump({"pid": pid, "sshd_pid_in_node": sshd.pid, "hostname": args.hostname}, fh)
+        os.rename(os.path.join(NODE_RUN, "init.json.tmp"), os.path.join(NODE_RUN, "init.json"))
+        say("up (pid %d on the head), sshd started" % pid)
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                signal.pause()
+    except Shutdown:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        shutdown()
+        say("stopped")
+        return 0
+    except OSError as err:
+        say("failed: %s" % err)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
