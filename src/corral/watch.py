@@ -75,11 +75,14 @@ class Failure:
             return f"{self.host} was lost: {self.reason}"
         if self.kind == "start":
             return f"{where} could not start: {self.reason}"
+        how = None
         if self.signal is not None:
-            return f"{where} was killed by {self.signal_name}"
-        if self.code is not None:
-            return f"{where} exited with code {self.code}"
-        return f"{where} failed"
+            how = f"killed by {self.signal_name}"
+        elif self.code is not None:
+            how = f"exited with code {self.code}"
+        if self.exc:
+            return f"{where} failed: {self.exc}" + (f" ({how})" if how else "")
+        return f"{where} {how}" if how else f"{where} failed"
 
     @property
     def exit_code(self) -> int:
@@ -202,7 +205,7 @@ class JobWatch:
             lines = list(self.nodes[failure.host].launcher_tail)
         start = None
         for i in range(len(lines) - 1, -1, -1):
-            if lines[i].startswith("Traceback (most recent call last)"):
+            if "Traceback (most recent call last)" in lines[i]:
                 start = i
                 break
         if start is not None:

@@ -318,7 +318,7 @@ def pump_pipe(pipe, relay: Relay) -> None:
 
 
 class RankTailer(threading.Thread):
-    """Tail ``rank<N>.out``/``rank<N>.err`` written by the rank hook.
+    """Tail ``rank<N>.log`` (stdout and stderr, in write order) of the rank hook.
 
     Also watches each rank's main pid (``rank<N>.pid``) and reports its exit
     with the status the hook recorded (``rank<N>.status``), so the head learns
@@ -355,20 +355,19 @@ class RankTailer(threading.Thread):
             if not base.startswith("rank") or not base[4:].isdigit():
                 continue
             rank = int(base[4:])
-            if ext in ("out", "err") and name not in self.files:
+            if ext == "log" and name not in self.files:
                 try:
                     fd = os.open(os.path.join(self.log_dir, name), os.O_RDONLY)
                 except OSError:
                     continue
-                self.files[name] = [fd, Relay(self.chan, rank, ext)]
+                self.files[name] = [fd, Relay(self.chan, rank, "log")]
             elif ext == "pid" and rank not in self.pids:
                 try:
                     with open(os.path.join(self.log_dir, name)) as f:
                         self.pids[rank] = int(f.read().strip() or 0)
                 except (OSError, ValueError):
                     pass
-        # stdout before stderr: a traceback follows the prints that preceded it.
-        for name in sorted(self.files, key=lambda n: (n.endswith(".err"), n)):
+        for name in sorted(self.files):
             fd, relay = self.files[name]
             while True:
                 data = os.read(fd, 65536)

@@ -1,11 +1,217 @@
-"""`corral run` (not implemented yet in this version)."""
+"""`corral run`: run a training script on every node of the cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+from pathlib import Path
 
 import click
+from rich.markup import escape
+from rich.table import Table
 
-from corral.errors import NotImplementedYet
+from corral import ui
+from corral.cli.common import ClusterOptions, cluster_options
+from corral.console import RunConsole, parse_ranks
+from corral.errors import UsageError
+from corral.launchers import PLANNERS
+from corral.logs import default_runs_dir
+from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, parse_env_flags
+from corral.run import RunOptions, RunResult, Runner
+
+_SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
 
 
-@click.command(name="run", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def run() -> None:
-    """Not implemented yet in this version of corral."""
-    raise NotImplementedYet("`corral run` is not implemented yet in this version of corral.")
+@click.command(
+    name="run",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@cluster_options
+@click.option("--launcher", type=click.Choice(list(PLANNERS)), default="torchrun", show_default=True,
+              help="Per-node launcher: torchrun (default), accelerate, deepspeed, lightning, or command "
+                   "(one process per node).")
+@click.option("-n", "--nproc-per-node", type=click.IntRange(min=1), default=None,
+              help="Processes per node. Default: the hosts' slots, else one per GPU, else 1.")
+@click.option("-m", "--module", is_flag=True, help="PROGRAM is a Python module (like python -m).")
+@click.option("-e", "--env", "env_flags", multiple=True, metavar="K=V|K",
+              help="Set a variable on every node (K=V), or copy this machine's value (K). Repeatable. "
+                   "Only these and an allow-list (NCCL_*, GLOO_*, TORCH_*, CUDA_*, OMP_NUM_THREADS, ...) "
+                   "travel; see docs/run.md.")
+@click.option("--workdir", default=None, metavar="DIR",
+              help="Working directory on every node. Default: the cluster file's, else this directory's path.")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+              help="Rendezvous port on the first node. Default: a free port corral picks there.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Restart the whole job this many times after a failure (scripts resume from their checkpoints).")
+@click.option("--ranks", "ranks_spec", default="0", show_default=True, metavar="SPEC",
+              help="Ranks whose progress bars are shown as live status lines: '0', '0,4', '0-7' or 'all'.")
+@click.option("--node-timeout", type=click.FloatRange(min=2), default=10.0, show_default=True,
+              help="Seconds without a heartbeat before a node is declared lost and the job torn down.")
+@click.option("--grace", type=click.FloatRange(min=0), default=3.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping the job.")
+@click.option("--launcher-arg", "launcher_args", multiple=True, metavar="ARG",
+              help="Extra argument for the launcher itself (e.g. --launcher-arg=--mixed_precision=bf16). Repeatable.")
+@click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where run directories go. Default: $CORRAL_RUNS_DIR or ./runs.")
+@click.option("--dry-run", is_flag=True, help="Print every node's command and environment; start nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result (or, with --dry-run, the plan) as JSON.")
+@click.argument("program")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run(
+    cluster_opts: ClusterOptions,
+    launcher: str,
+    nproc_per_node: int | None,
+    module: bool,
+    env_flags: tuple[str, ...],
+    workdir: str | None,
+    master_port: int | None,
+    max_restarts: int,
+    ranks_spec: str,
+    node_timeout: float,
+    grace: float,
+    launcher_args: tuple[str, ...],
+    runs_dir: Path | None,
+    dry_run: bool,
+    as_json: bool,
+    program: str,
+    args: tuple[str, ...],
+) -> None:
+    """Run PROGRAM (a training script) with ARGS on every node of the cluster.
+
+    \b
+    Examples:
+      corral run examples/train_ddp.py --epochs 3       # this machine
+      corral run -c hostfile train.py                   # every host in a DeepSpeed hostfile
+      corral run -H gpu1:8,gpu2:8 --launcher accelerate train.py
+      corral run --dry-run -c corral.toml train.py      # show each node's command
+
+    corral's options go before PROGRAM; everything after it is passed to the
+    script unchanged.  Every line is prefixed with its rank; full per-rank
+    logs go to runs/<run-id>/<host>/rank<N>.log.  The exit code is the
+    workload's (130 after Ctrl-C, 3 when a node is lost).
+    """
+    try:
+        status_ranks = parse_ranks(ranks_spec)
+    except ValueError as e:
+        raise UsageError(f"--ranks {ranks_spec!r}: {e}", hint="use e.g. --ranks 0 or --ranks 0-3,8") from None
+    cluster = cluster_opts.load()
+    spec = RunSpec(
+        program=program, args=tuple(args), module=module, launcher=launcher,
+        nproc_per_node=nproc_per_node, env=parse_env_flags(env_flags, os.environ),
+        workdir=workdir, master_port=master_port, launcher_args=launcher_args,
+    )
+    if dry_run:
+        _dry_run(cluster, spec, as_json)
+        return
+    options = RunOptions(
+        runs_dir=runs_dir or default_runs_dir(Path.cwd()), max_restarts=max_restarts,
+        node_timeout=node_timeout, grace=grace,
+    )
+    view = RunConsole(multi_host=len(cluster.hosts) > 1, status_ranks=status_ranks)
+    runner = Runner(cluster, spec, options, view=view, head_env=os.environ, head_cwd=os.getcwd())
+    ui.notice(f"run {spec.run_id}: {spec.launcher} on {len(cluster.hosts)} node(s); connecting...")
+    try:
+        result = asyncio.run(runner.run())
+    finally:
+        view.close()
+    _summary(result, as_json)
+    sys.exit(result.exit_code)
+
+
+def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
+    first = cluster.hosts[0]
+    master = "127.0.0.1" if len(cluster.hosts) == 1 else first.connect_address
+    port = spec.master_port or 0
+    plan = build_plan(cluster, spec, {h.name: NodeFacts() for h in cluster.hosts}, master_addr=master,
+                      master_port=port, head_env=os.environ, head_cwd=os.getcwd())
+    unknown_slots = spec.nproc_per_node is None and any(h.slots is None for h in cluster.hosts)
+    if as_json:
+        click.echo(json.dumps(_plan_json(plan, unknown_slots), indent=2))
+        return
+    con = ui.console()
+    con.print(f"[bold]dry run[/] {spec.run_id}: {spec.launcher}, {len(plan.nodes)} node(s), "
+              f"rendezvous {master}:{port or '<free port chosen at launch>'}")
+    if unknown_slots:
+        con.print("[yellow]note:[/] some hosts have no slots: processes per node = their GPU count, "
+                  "detected at launch (shown here as 1)")
+    for node in plan.nodes:
+        con.print(f"\n[bold]node {node.node_rank}[/] {escape(node.host.name)}  ranks "
+                  f"{node.first_rank}-{node.first_rank + node.nproc - 1}  cwd {escape(node.cwd)}")
+        con.print("  argv: " + escape(" ".join(_q(a) for a in node.argv)), soft_wrap=True)
+        table = Table(box=None, show_header=False, padding=(0, 1, 0, 4))
+        for k in sorted(node.env):
+            table.add_row(k, "***" if _SECRETISH.search(k) else escape(node.env[k]))
+        con.print(table)
+    ui.notice("dry run: nothing was started")
+
+
+def _q(word: str) -> str:
+    import shlex
+
+    return shlex.quote(word)
+
+
+def _plan_json(plan: LaunchPlan, unknown_slots: bool) -> dict:
+    return {
+        "run_id": plan.run_id, "launcher": plan.launcher, "master_addr": plan.master_addr,
+        "master_port": plan.master_port or None, "world_size": plan.world_size,
+        "processes_per_node_detected_at_launch": unknown_slots,
+        "nodes": [
+            {"host": n.host.name, "node_rank": n.node_rank, "nproc": n.nproc, "first_rank": n.first_rank,
+             "cwd": n.cwd, "argv": list(n.argv),
+             "env": {k: ("***" if _SECRETISH.search(k) else v) for k, v in n.env.items()}}
+            for n in plan.nodes
+        ],
+    }
+
+
+def _summary(result: RunResult, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(_result_json(result), indent=2))
+    con = ui.err_console()
+    where = f"logs: {result.run_dir}" if result.run_dir else ""
+    plan = result.plan
+    shape = f"{plan.world_size} ranks on {len(plan.nodes)} node(s)" if plan else ""
+    if result.status == "succeeded":
+        con.print(f"[green]corral:[/] run {result.run_id} succeeded in {result.duration_s:.1f}s "
+                  f"({shape}); {escape(where)}")
+        return
+    if result.status == "interrupted":
+        con.print(f"[yellow]corral:[/] run {result.run_id} interrupted after {result.duration_s:.1f}s; "
+                  f"every process it started was stopped; {escape(where)}")
+        return
+    f = result.failure
+    assert f is not None
+    con.print(f"[bold red]corral: run {result.run_id} FAILED[/] after {result.duration_s:.1f}s "
+              f"(attempt {result.attempts}): {escape(f.describe())} [dim](first failure)[/]")
+    if f.exc:
+        con.print(f"  [red]{escape(f.exc)}[/]")
+    if result.failure_tail:
+        con.print(f"  [dim]--- last lines of {escape(str(result.failure_log))} ---[/]")
+        for line in result.failure_tail:
+            con.print("  " + escape(line), soft_wrap=True)
+    for d in result.diagnoses[:1]:
+        con.print(f"  [bold yellow]Likely cause:[/] {escape(getattr(d, 'title', str(d)))}"
+                  + (f" — {escape(d.cause)}" if getattr(d, "cause", None) else ""))
+        for step in getattr(d, "fix", ()) or ():
+            con.print(f"  [bold]Fix:[/] {escape(str(step))}")
+    con.print(f"  {escape(where)}")
+
+
+def _result_json(result: RunResult) -> dict:
+    f = result.failure
+    return {
+        "run_id": result.run_id, "status": result.status, "exit_code": result.exit_code,
+        "run_dir": str(result.run_dir) if result.run_dir else None, "attempts": result.attempts,
+        "duration_s": round(result.duration_s, 3),
+        "failure": None if f is None else {
+            "host": f.host, "rank": f.rank, "kind": f.kind, "exit_code": f.code,
+            "signal": f.signal_name, "exception": f.exc, "reason": f.reason,
+            "description": f.describe(), "tail": list(result.failure_tail),
+            "log": str(result.failure_log) if result.failure_log else None,
+        },
+        "diagnoses": [getattr(d, "id", str(d)) for d in result.diagnoses],
+    }

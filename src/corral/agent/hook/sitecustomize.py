@@ -8,8 +8,8 @@ In a process that is a training rank (torchrun/DeepSpeed set ``RANK``;
 Lightning's children set ``LOCAL_RANK`` and ``NODE_RANK``), it:
 
 - points the process's stdout and stderr (the file descriptors, so C and
-  NCCL output too) at ``$CORRAL_LOG_DIR/rank<N>.out`` / ``.err``, which the
-  agent tails.  Files, not pipes: a slow head or network never blocks a
+  NCCL output too) at ``$CORRAL_LOG_DIR/rank<N>.log``, which the agent
+  tails; one file keeps the order in which the rank wrote.  Files, not pipes: a slow head or network never blocks a
   training step, and nothing is lost if the head disconnects;
 - records its pid (``rank<N>.pid``) so the agent can tell which rank exited
   first and signal exactly the ranks (never by name);
@@ -57,11 +57,12 @@ def _corral_install():
             stream.flush()
         except Exception:
             pass
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-    for fd, ext in ((1, "out"), (2, "err")):
-        target = os.open(base + "." + ext, flags, 0o600)
-        os.dup2(target, fd)
-        os.close(target)
+    # One file for both streams, as a terminal shows them: a traceback stays
+    # after the prints that preceded it.
+    target = os.open(base + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    os.close(target)
     try:
         sys.stdout.reconfigure(line_buffering=True)
     except Exception:
