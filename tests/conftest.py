@@ -45,3 +45,35 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 def python_exe() -> str:
     """The interpreter running the tests (has torch installed for run tests)."""
     return sys.executable
+
+
+# ---------------------------------------------------------------------------
+# The multi-node sandbox (tests marked `sandbox`; see docs/sandbox.md)
+
+#: Nodes in the shared session sandbox.
+SANDBOX_NODES = 4
+
+
+@pytest.fixture(scope="session")
+def sandbox(tmp_path_factory: pytest.TempPathFactory):
+    """A 4-node sandbox (real sshd per node, head key authorized), shared by the session.
+
+    Its name and node prefix carry this pytest process's pid (nodes
+    ``t<pid>n1``..``t<pid>n4``), so test sessions running side by side never
+    collide.  Use ``sandbox.cluster_file`` for ``corral run --cluster``,
+    ``sandbox.ssh_config`` for ``ssh -F``, ``sandbox.exec(node, argv)`` to
+    look inside a node.  Tests that inject faults must undo them
+    (``heal``; ``up()`` restarts stopped nodes).  Torn down at session end,
+    also after failures and Ctrl-C.  Skipped only when not root (CI is root).
+    """
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox needs root (network/PID/mount namespaces); CI runs as root")
+    from corral.sandbox import Sandbox
+
+    tag = f"t{os.getpid()}"
+    sb = Sandbox(name=tag, prefix=f"{tag}n", state_dir=tmp_path_factory.mktemp("sandbox") / "state")
+    try:
+        sb.up(SANDBOX_NODES, with_keys=True)
+        yield sb
+    finally:
+        sb.down()

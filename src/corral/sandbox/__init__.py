@@ -34,14 +34,14 @@ from corral.sandbox.spec import (
 from corral.sandbox.status import NodeStatus, SandboxStatus
 
 __all__ = [
+    "DEFAULT_NAME",
+    "DEFAULT_PASSWORD",
+    "DEFAULT_PREFIX",
+    "TEST_USER",
+    "NodeStatus",
     "Sandbox",
     "SandboxSpec",
     "SandboxStatus",
-    "NodeStatus",
-    "DEFAULT_NAME",
-    "DEFAULT_PREFIX",
-    "DEFAULT_PASSWORD",
-    "TEST_USER",
-    "parse_rate",
     "format_rate",
+    "parse_rate",
 ]

@@ -12,10 +12,10 @@ import os
 import re
 import shlex
 import subprocess
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import tomlkit
 
@@ -23,6 +23,8 @@ from corral.errors import SandboxError
 from corral.sandbox.spec import TEST_USER, SandboxSpec
 
 ETC_HOSTS = Path("/etc/hosts")
+#: The state file in a sandbox's state directory (its presence means "this is a sandbox").
+STATE_FILE = "sandbox.json"
 #: Directories bind-mounted over their namesakes inside a node, with their modes.
 NODE_DIRS = {"ssh": 0o700, "tmp": 0o1777, "var-tmp": 0o1777, "srv": 0o755, "home": 0o755}
 SFTP_SERVERS = ("/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-server", "/usr/libexec/sftp-server")
@@ -58,7 +60,7 @@ def strip_blocks(text: str, name: str | None = None) -> str:
     """``text`` without the corral-sandbox block of ``name`` (every block if None)."""
     who = re.escape(name) if name else r"\S+"
     pattern = re.compile(
-        rf"^# corral-sandbox ({who}) begin\n.*?^# corral-sandbox \1 end\n?", re.M | re.S
+        rf"^# corral-sandbox ({who}) begin\n.*?^# corral-sandbox \1 end\n?", re.MULTILINE | re.DOTALL
     )
     return pattern.sub("", text)
 
@@ -95,11 +97,11 @@ def names_claimed(text: str, *, exclude: str) -> dict[str, str]:
 
 
 @contextmanager
-def locked_etc_hosts(path: Path = ETC_HOSTS) -> Iterator[tuple[str, "_Writer"]]:
+def locked_etc_hosts(path: Path = ETC_HOSTS) -> Iterator[tuple[str, _Writer]]:
     """Hold an exclusive lock on /etc/hosts: it is also the machine-wide lock
     under which sandboxes pick subnets, so two ``up`` never take the same one."""
     try:
-        fh = open(path, "r+")
+        fh = open(path, "r+")  # noqa: SIM115 - closed by the `with fh` below, after the error path
     except OSError as err:
         raise SandboxError(
             f"{path}: cannot open for writing ({err.strerror})",
@@ -201,6 +203,7 @@ def hash_password(password: str) -> str:
     try:
         proc = subprocess.run(
             ["openssl", "passwd", "-6", "-stdin"],
+            check=False,
             input=password + "\n",
             capture_output=True,
             text=True,
@@ -240,7 +243,7 @@ def generate_user_key(path: Path, comment: str) -> None:
     path.unlink(missing_ok=True)
     proc = subprocess.run(
         ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False,
     )
     if proc.returncode != 0:
         raise SandboxError(f"ssh-keygen for {path} failed: {(proc.stderr or proc.stdout).strip()}")

@@ -15,37 +15,33 @@ import ipaddress
 import logging
 import os
 import pwd
-import shutil
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from corral.errors import SandboxError, UsageError
 from corral.model import Cluster, Host
-from corral.sandbox import files, netns, node as nodes_mod, preflight, spec as specs
+from corral.sandbox import files, netns, preflight
+from corral.sandbox import node as nodes_mod
+from corral.sandbox import spec as specs
+from corral.sandbox.files import STATE_FILE
 from corral.sandbox.ops import UNLIMITED, NodeOps
 from corral.sandbox.spec import NodeNames, SandboxSpec
 from corral.sandbox.status import NodeStatus, SandboxStatus
+from corral.sandbox.teardown import OWNED, TeardownOps
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "sandbox.json"
 STATE_VERSION = 1
-#: What ``down`` may delete in a state directory; anything else is left alone.
-OWNED = {
-    STATE_FILE, "hostfile", "corral.toml", "ssh_config", "known_hosts", "id_ed25519",
-    "id_ed25519.pub", "nodes", ".lock",
-}
 #: Where the node-private directories appear inside a node.
 PRIVATE_DIRS = ("~/.ssh", "/tmp", "/var/tmp", "/srv", "/home", "/dev/shm", "/run",
                 "/etc/hosts", "/etc/passwd", "/etc/shadow", "/etc/group")
-_NODE_LOCAL = ("/tmp", "/var/tmp", "/srv")
 
 
-class Sandbox(NodeOps):
+class Sandbox(NodeOps, TeardownOps):
     """A simulated multi-node cluster: one network/PID/mount/UTS namespace and
     one real sshd per node, on a bridge of its own.
 
@@ -163,7 +159,7 @@ class Sandbox(NodeOps):
                 hint=f"corral sandbox up 4 --with-keys{_name_flag(self.name)}",
             )
         tools = preflight.check()
-        python, private_home = _python_layout()
+        python, private_home = nodes_mod.python_layout()
         self._claim_state_dir()
         with self._lock():
             state = self._load()
@@ -296,7 +292,7 @@ class Sandbox(NodeOps):
                                   private_home=state["private_home"])
         files.generate_host_keys([self.node_dir(nn.name) for nn in sp.all_nodes()],
                                  [f"root@{nn.name}" for nn in sp.all_nodes()])
-        _ensure_mountpoints(state["private_home"])
+        nodes_mod.ensure_mountpoints(state["private_home"])
         self._save(state)
 
     def _ensure_network(self, sp: SandboxSpec) -> None:
@@ -381,86 +377,6 @@ class Sandbox(NodeOps):
         state["spec"] = spec_dict(sp)
         self._save(state)
 
-    # -- down ------------------------------------------------------------------
-
-    def down(self) -> dict:
-        """Remove everything of this sandbox; idempotent.  Returns what was removed."""
-        preflight.check_privileges()
-        if self.state_dir.exists():
-            with self._lock():
-                removed = self._teardown()
-                removed["state_dir"] = self._remove_state_dir()
-        else:
-            removed = self._teardown()
-            removed["state_dir"] = None
-        return removed
-
-    def _teardown(self, *, quiet: bool = False) -> dict:
-        """Kill, then delete namespaces, links and the /etc/hosts block (state dir kept)."""
-        prefix = specs.netns_prefix(self.name)
-        spaces = [ns for ns in netns.netns_list() if ns.startswith(prefix)]
-        left = netns.empty_netns(spaces) if spaces else {}
-        if left:
-            pids = ", ".join(f"{ns}: {' '.join(map(str, p))}" for ns, p in left.items())
-            raise SandboxError(f"processes survived SIGKILL ({pids}); nothing was removed",
-                               hint="they are stuck in the kernel (D state?); retry `corral sandbox down` later")
-        if spaces:
-            netns.ip_batch((f"netns del {ns}" for ns in spaces), force=True)
-        ours = self._own_links()
-        # A veth whose namespace just went may vanish on its own while we delete it.
-        netns.ip_batch((f"link del {name}" for name in ours), force=True)
-        with files.locked_etc_hosts() as (text, write):
-            stripped = files.strip_blocks(text, self.name)
-            had_block = stripped != text
-            if had_block:
-                write(stripped)
-        if (spaces or ours or had_block) and quiet:
-            log.info("removed leftovers of sandbox %s: %s %s", self.name, spaces, ours)
-        leftover = self._leftovers(prefix)
-        if leftover:
-            raise SandboxError(f"could not remove {', '.join(leftover)}",
-                               hint="retry `corral sandbox down`; see `ip link` and `ip netns list`")
-        return {"namespaces": spaces, "links": ours, "hosts_block": had_block}
-
-    def _leftovers(self, prefix: str, timeout: float = 2.0) -> list[str]:
-        """Namespaces and links still there (kernel cleanup is asynchronous: wait a bit)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = [ns for ns in netns.netns_list() if ns.startswith(prefix)] + self._own_links()
-            if not left or time.monotonic() > deadline:
-                return left
-            netns.ip_batch((f"link del {name}" for name in self._own_links()), force=True)
-            time.sleep(0.1)
-
-    def _own_links(self) -> list[str]:
-        tag = specs.tag_for(self.name)
-        alias = f"corral-sandbox:{self.name}"
-        out = []
-        for name, entry in netns.links().items():
-            if entry.get("ifalias") == alias:
-                out.append(name)
-            elif name.startswith(tag) and entry.get("ifalias") is None and name[len(tag):][:1] in ("b", "e", "f"):
-                out.append(name)  # created, crashed before its alias was set
-        # Bridges last: a veth enslaved to a bridge goes with its namespace anyway.
-        return sorted(out, key=lambda n: n.startswith(tag + "b"))
-
-    def _remove_state_dir(self) -> str | None:
-        if not self.state_dir.exists():
-            return None
-        for entry in os.listdir(self.state_dir):
-            path = self.state_dir / entry
-            if entry not in OWNED and not entry.endswith(".tmp"):
-                continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
-        try:
-            self.state_dir.rmdir()
-        except OSError:
-            log.warning("left %s in place: it holds files corral did not create", self.state_dir)
-        return str(self.state_dir)
-
     # -- status ----------------------------------------------------------------
 
     def status(self) -> SandboxStatus:
@@ -543,36 +459,3 @@ def _rate(rate: str | int | None) -> int | None | specs.Unshaped:
 
 def _name_flag(name: str) -> str:
     return "" if name == specs.DEFAULT_NAME else f" --name {name}"
-
-
-def _python_layout() -> tuple[str, bool]:
-    """The interpreter nodes run, and whether /home can be node-private.
-
-    Nodes share the head's filesystem except their private directories, like
-    machines booted from one image; the head's Python must be visible there.
-    """
-    python = sys.executable
-    paths = {os.path.abspath(p) for p in (python, sys.prefix, sys.base_prefix)}
-    paths.add(os.path.realpath(python))
-    for path in paths:
-        for private in _NODE_LOCAL:
-            if path == private or path.startswith(private + "/"):
-                raise SandboxError(
-                    f"this Python ({path}) lives under {private}, which is private to each "
-                    "sandbox node: the nodes could not run it",
-                    hint="install corral in a virtual environment outside /tmp, /var/tmp and /srv",
-                )
-    private_home = not any(p == "/home" or p.startswith("/home/") for p in paths)
-    if not private_home:
-        log.info("/home is shared with the nodes: this Python lives there (%s)", python)
-    return python, private_home
-
-
-def _ensure_mountpoints(private_home: bool) -> None:
-    """Directories a node mounts over must exist on the shared filesystem."""
-    home = pwd.getpwuid(0).pw_dir
-    wanted = [os.path.join(home, ".ssh"), "/srv", "/var/tmp"] + (["/home"] if private_home else [])
-    for path in wanted:
-        if not os.path.isdir(path):
-            log.info("creating %s (a node mounts its private copy over it)", path)
-            os.makedirs(path, mode=0o700 if path.endswith(".ssh") else 0o755, exist_ok=True)

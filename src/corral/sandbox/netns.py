@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from corral.errors import SandboxError
 
@@ -37,7 +37,7 @@ def run(
     log.debug("run: %s", " ".join(argv))
     try:
         proc = subprocess.run(
-            list(argv), input=input, capture_output=True, text=True, timeout=timeout
+            list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False
         )
     except FileNotFoundError:
         raise SandboxError(
@@ -193,6 +193,14 @@ def find_init(pids: Iterable[int]) -> int | None:
     return None
 
 
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -217,13 +225,16 @@ def empty_netns(names: Sequence[str], *, grace: float = 5.0) -> dict[str, list[i
     still there after ``grace`` seconds (for example processes started with
     ``ip netns exec``, outside the node's PID namespace) gets SIGKILL.
     """
-    pids = pids_by_netns(names)
-    for ns, members in pids.items():
+    for members in pids_by_netns(names).values():
         init = find_init(members)
+        # The init stops its own PID namespace; the rest (``ip netns exec``
+        # processes, nsenter) get SIGTERM directly -- except the init's parent,
+        # ``unshare --kill-child``, whose death would SIGKILL the init at once.
+        spare = {init, _ppid(init)} if init is not None else set()
         if init is not None:
             _signal(init, signal.SIGTERM)
-        else:
-            for pid in members:
+        for pid in members:
+            if pid not in spare and len(nspid(pid)) == 1:
                 _signal(pid, signal.SIGTERM)
     if not _wait_empty(names, grace):
         for members in pids_by_netns(names).values():

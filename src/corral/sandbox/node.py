@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from corral.errors import SandboxError
 from corral.sandbox import files, netns
@@ -152,6 +154,7 @@ def start(
     with open(node_dir / "init.log", "ab") as logfile:
         proc = subprocess.run(
             argv,
+            check=False,
             stdin=subprocess.DEVNULL,
             stdout=logfile,
             stderr=logfile,
@@ -245,3 +248,40 @@ def node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def dump_json(obj: object) -> str:
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
+#: Node-private directories a shared Python must not live in.
+_NODE_LOCAL = ("/tmp", "/var/tmp", "/srv")
+
+
+def python_layout() -> tuple[str, bool]:
+    """The interpreter nodes run, and whether /home can be node-private.
+
+    Nodes share the head's filesystem except their private directories, like
+    machines booted from one image; the head's Python must be visible there.
+    """
+    python = sys.executable
+    paths = {os.path.abspath(p) for p in (python, sys.prefix, sys.base_prefix)}
+    paths.add(os.path.realpath(python))
+    for path in paths:
+        for private in _NODE_LOCAL:
+            if path == private or path.startswith(private + "/"):
+                raise SandboxError(
+                    f"this Python ({path}) lives under {private}, which is private to each "
+                    "sandbox node: the nodes could not run it",
+                    hint="install corral in a virtual environment outside /tmp, /var/tmp and /srv",
+                )
+    private_home = not any(p == "/home" or p.startswith("/home/") for p in paths)
+    if not private_home:
+        log.info("/home is shared with the nodes: this Python lives there (%s)", python)
+    return python, private_home
+
+
+def ensure_mountpoints(private_home: bool) -> None:
+    """Directories a node mounts over must exist on the shared filesystem."""
+    home = pwd.getpwuid(0).pw_dir
+    wanted = [os.path.join(home, ".ssh"), "/srv", "/var/tmp"] + (["/home"] if private_home else [])
+    for path in wanted:
+        if not os.path.isdir(path):
+            log.info("creating %s (a node mounts its private copy over it)", path)
+            os.makedirs(path, mode=0o700 if path.endswith(".ssh") else 0o755, exist_ok=True)

@@ -13,18 +13,18 @@ The faults are the ones multi-node jobs meet on real clusters:
 from __future__ import annotations
 
 import subprocess
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from corral.errors import SandboxError
-from corral.sandbox import netns
+from corral.sandbox import netns, preflight
 from corral.sandbox import node as nodes_mod
-from corral.sandbox import preflight
 from corral.sandbox.spec import NodeNames, SandboxSpec, parse_rate
 
 if TYPE_CHECKING:  # pragma: no cover
     from corral.sandbox.instance import Sandbox
 
-__all__ = ["NodeOps", "UNLIMITED"]
+__all__ = ["UNLIMITED", "NodeOps"]
 
 #: Words ``slow`` accepts for "remove the limit".
 UNLIMITED = ("none", "off", "unlimited")
@@ -33,7 +33,7 @@ UNLIMITED = ("none", "off", "unlimited")
 class NodeOps:
     """Mixed into ``Sandbox``: everything that acts on one named node."""
 
-    def node_names(self: "Sandbox", node: str) -> tuple[SandboxSpec, NodeNames]:
+    def node_names(self: Sandbox, node: str) -> tuple[SandboxSpec, NodeNames]:
         """The spec and the names of ``node``; ``SandboxError`` if there is no such node."""
         sp = self.spec
         for nn in sp.all_nodes():
@@ -45,7 +45,7 @@ class NodeOps:
             hint="corral sandbox status lists them",
         )
 
-    def init_pid(self: "Sandbox", node: str) -> int:
+    def init_pid(self: Sandbox, node: str) -> int:
         """The head pid of ``node``'s init; ``SandboxError`` when the node is stopped."""
         _, nn = self.node_names(node)
         pid = netns.find_init(netns.pids_by_netns([nn.netns])[nn.netns])
@@ -58,7 +58,7 @@ class NodeOps:
         return pid
 
     def exec(
-        self: "Sandbox",
+        self: Sandbox,
         node: str,
         argv: Sequence[str],
         *,
@@ -79,6 +79,7 @@ class NodeOps:
         cmd = [nsenter, "-t", str(pid), "-n", "-m", "-u", "-i", "-p", "-w", "--", *argv]
         proc = subprocess.run(
             cmd,
+            check=False,
             input=input,
             capture_output=capture,
             text=text,
@@ -90,15 +91,15 @@ class NodeOps:
             raise SandboxError(f"{node}: `{' '.join(argv)}` exited {proc.returncode}" + (f": {err}" if err else ""))
         return proc
 
-    def partition(self: "Sandbox", node: str) -> None:
+    def partition(self: Sandbox, node: str) -> None:
         """Cut ``node`` off every network (its head-side links go down)."""
         self._set_links(node, "down")
 
-    def heal(self: "Sandbox", node: str) -> None:
+    def heal(self: Sandbox, node: str) -> None:
         """Undo ``partition``."""
         self._set_links(node, "up")
 
-    def _set_links(self: "Sandbox", node: str, updown: str) -> None:
+    def _set_links(self: Sandbox, node: str, updown: str) -> None:
         preflight.check_privileges()
         sp, nn = self.node_names(node)
         devs = [nn.veth] + ([nn.fast_veth] if sp.fast_subnet else [])
@@ -109,7 +110,7 @@ class NodeOps:
                                hint="corral sandbox up repairs it")
         netns.ip_batch(f"link set dev {d} {updown}" for d in devs)
 
-    def stop(self: "Sandbox", node: str) -> None:
+    def stop(self: Sandbox, node: str) -> None:
         """Kill everything on ``node`` (its init first, then stragglers); the node
         stays defined, and ``up`` starts it again."""
         preflight.check_privileges()
@@ -120,10 +121,10 @@ class NodeOps:
             raise SandboxError(f"{node}: processes survived SIGKILL: {left[nn.netns]}",
                                hint="they are stuck in the kernel; retry later")
 
-    def slow(self: "Sandbox", node: str, rate: str | int | None) -> None:
+    def slow(self: Sandbox, node: str, rate: str | int | None) -> None:
         """Limit ``node``'s link to ``rate`` both ways (``"50mbit"``, bits/s, or ``None``)."""
         preflight.check_privileges()
-        sp, nn = self.node_names(node)
+        _, nn = self.node_names(node)
         if isinstance(rate, str):
             bps = None if rate.strip().lower() in UNLIMITED else parse_rate(rate)
         else:

@@ -16,9 +16,9 @@ import hashlib
 import ipaddress
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from corral.errors import UsageError
 
@@ -264,7 +264,7 @@ class SandboxSpec:
     def prefixlen(self) -> int:
         return self.network().prefixlen
 
-    def differences(self, other: "SandboxSpec") -> list[str]:
+    def differences(self, other: SandboxSpec) -> list[str]:
         """Identity fields where ``other`` (a new request) differs from this one."""
         return [
             f"{key}: running {getattr(self, key)!r}, asked {getattr(other, key)!r}"

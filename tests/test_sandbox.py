@@ -1,0 +1,478 @@
+"""The sandbox: a simulated multi-node cluster of namespaces with real sshd.
+
+Pure helpers (names, rates, subnets, generated files) are tested without
+root.  Everything marked ``sandbox`` builds real namespaces and talks to real
+sshd; it checks the promises of docs/sandbox.md from the outside, with the
+system's own tools (``ssh``, ``ip``, ``iperf3``), never through the sandbox's
+own bookkeeping alone.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from corral.errors import SandboxError, UsageError
+from corral.sandbox import Sandbox, files, netns, preflight, spec
+from corral.sandbox.spec import SandboxSpec, UpRequest
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="needs root (network namespaces)")
+
+
+def _spec(**kw) -> SandboxSpec:
+    base = dict(name="unit", prefix="node", nodes=3, subnet="10.200.7.0/24")
+    base.update(kw)
+    return SandboxSpec(**base)
+
+
+# ---------------------------------------------------------------------------
+# pure parts
+
+
+@pytest.mark.parametrize(
+    ("text", "bps"),
+    [("200mbit", 200_000_000), ("1gbit", 10**9), ("1.5Gbit", 1_500_000_000), ("64kbit", 64_000)],
+)
+def test_parse_rate(text: str, bps: int) -> None:
+    assert spec.parse_rate(text) == bps
+    assert spec.parse_rate(spec.format_rate(bps)) == bps
+
+
+@pytest.mark.parametrize("text", ["100mbps", "fast", "10", "-5mbit", "1bit"])
+def test_parse_rate_rejects_ambiguous_or_bad_units(text: str) -> None:
+    with pytest.raises(UsageError) as err:
+        spec.parse_rate(text)
+    assert text in err.value.message
+
+
+@pytest.mark.parametrize("name", ["Upper", "has_underscore", "-lead", "x" * 40, ""])
+def test_bad_sandbox_names_are_refused(name: str) -> None:
+    with pytest.raises(UsageError):
+        spec.check_name(name)
+
+
+def test_interface_names_fit_linux_limit() -> None:
+    sp = _spec(name="a-very-long-sandbox-name-here", nodes=spec.MAX_NODES)
+    last = sp.node(spec.MAX_NODES)
+    for ifname in (sp.bridge, sp.fast_bridge, last.veth, last.fast_veth):
+        assert len(ifname) <= 15, ifname
+    assert spec.tag_for("a") != spec.tag_for("b")
+
+
+def test_addresses_are_readable_and_distinct() -> None:
+    sp = _spec()
+    assert sp.head_address() == "10.200.7.1"
+    assert [sp.address(i) for i in (1, 2, 3)] == ["10.200.7.11", "10.200.7.12", "10.200.7.13"]
+
+
+def test_pick_subnet_avoids_networks_in_use() -> None:
+    first = spec.pick_subnet("demo", [])
+    again = spec.pick_subnet("demo", [])
+    assert first == again and first.subnet_of(spec.SUBNET_POOL)
+    other = spec.pick_subnet("demo", [first])
+    assert other != first and not other.overlaps(first)
+
+
+def test_pick_subnet_gives_up_clearly_when_pool_is_full() -> None:
+    with pytest.raises(UsageError, match="overlaps") as err:
+        spec.pick_subnet("demo", [ipaddress.ip_network("10.0.0.0/8")])
+    assert "--subnet" in (err.value.hint or "")
+
+
+def test_up_request_keeps_running_settings_and_reports_changes() -> None:
+    running = _spec(with_keys=True, rate=50_000_000, ssh_port=2222)
+    same = UpRequest().resolve("unit", running)
+    assert same == running and running.differences(same) == []
+    unshaped = UpRequest(rate=spec.UNSHAPED).resolve("unit", running)
+    assert unshaped.rate is None and running.differences(unshaped) == []
+    more = UpRequest(nodes=5, with_keys=False).resolve("unit", running)
+    diffs = running.differences(more)
+    assert any(d.startswith("nodes:") for d in diffs) and any(d.startswith("with_keys:") for d in diffs)
+
+
+def test_hosts_blocks_are_replaced_and_stripped_per_sandbox() -> None:
+    base = "127.0.0.1 localhost\n10.0.0.5 db\n"
+    a = files.with_block(base, "a", [files.HostEntry(address="10.1.1.11", name="n1")])
+    b = files.with_block(a, "b", [files.HostEntry(address="10.1.2.11", name="m1")])
+    again = files.with_block(b, "a", [files.HostEntry(address="10.1.1.12", name="n1")])
+    assert again.count("# corral-sandbox a begin") == 1 and "10.1.1.12\tn1" in again
+    assert "10.1.1.11" not in again and "10.1.2.11\tm1" in again
+    assert files.strip_blocks(again, "a") == files.strip_blocks(b, "a")
+    assert files.strip_blocks(again) == base
+    claimed = files.names_claimed(again, exclude="a")
+    assert claimed == {"localhost": "/etc/hosts", "db": "/etc/hosts", "m1": "sandbox b"}
+
+
+def test_accounts_unlock_root_for_keys_and_add_test_user() -> None:
+    passwd = "root:x:0:0:root:/root:/bin/bash\n"
+    shadow = "root:!locked:19000:0:99999:7:::\n"
+    group = "root:x:0:\n"
+    p, s, g = files.accounts(passwd, shadow, group, test_user=(2000, "/home/corral", "$6$x$y"))
+    assert s.splitlines()[0].split(":")[1] == "*"
+    assert "corral:x:2000:2000:corral sandbox test user:/home/corral:/bin/bash" in p
+    assert "corral:$6$x$y:" in s and "corral:x:2000:" in g
+    assert files.free_uid(p, g, start=2000) == 2001
+
+
+def test_sshd_config_allows_passwords_only_for_the_test_user() -> None:
+    plain = files.sshd_config(_spec(), run_dir="/run/x")
+    assert "PasswordAuthentication no" in plain and "Match" not in plain
+    assert "UsePAM no" in plain and "PermitRootLogin prohibit-password" in plain
+    with_pw = files.sshd_config(_spec(password_auth=True, ssh_port=2222), run_dir="/run/x")
+    assert "Port 2222" in with_pw
+    assert with_pw.strip().endswith("Match User corral\n    PasswordAuthentication yes")
+
+
+def test_known_hosts_qualifies_non_default_ports() -> None:
+    keys = {f"node{i}": f"ssh-ed25519 KEY{i} root@node{i}" for i in (1, 2, 3)}
+    text = files.known_hosts(_spec(ssh_port=2222), keys)
+    assert text.splitlines()[0] == "[node1]:2222,[10.200.7.11]:2222 ssh-ed25519 KEY1"
+    assert files.known_hosts(_spec(), keys).splitlines()[1] == "node2,10.200.7.12 ssh-ed25519 KEY2"
+
+
+def test_cluster_file_reads_back_through_the_inventory(tmp_path: Path) -> None:
+    from corral.inventory.tomlfile import read_corral_toml
+
+    sp = _spec(with_keys=True, slots=3, ssh_port=2222)
+    path = tmp_path / "corral.toml"
+    path.write_text(files.corral_toml(sp, tmp_path, sys.executable))
+    cluster = read_corral_toml(path)
+    assert cluster.names == ["node1", "node2", "node3"]
+    host = cluster.host("node2")
+    assert (host.address, host.port, host.user, host.slots) == ("10.200.7.12", 2222, "root", 3)
+    assert host.python == sys.executable
+    assert f"IdentityFile={tmp_path / 'id_ed25519'}" in cluster.ssh_options
+    assert (tmp_path / "hostfile").exists() is False
+    assert files.hostfile(sp).splitlines()[1:] == [f"node{i} slots=3" for i in (1, 2, 3)]
+
+
+def test_missing_capabilities_are_named() -> None:
+    assert preflight.missing_capabilities(0) == ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]
+    assert preflight.missing_capabilities(1 << 12 | 1 << 21) == []
+
+
+def test_clear_error_without_root(tmp_path: Path) -> None:
+    """As an unprivileged user, `up` names the missing capabilities and the fix."""
+    argv = [sys.executable, "-m", "corral", "sandbox", "up", "2", "--name", "nopriv",
+            "--state-dir", str(tmp_path / "state")]
+    if ROOT:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("setpriv (util-linux) is needed to drop root")
+        argv = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=-all"] + argv
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/", check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert "CAP_NET_ADMIN" in proc.stderr and "root" in proc.stderr and "HINT:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "state").exists()
+
+
+# ---------------------------------------------------------------------------
+# the shared 4-node sandbox
+
+
+def _ssh(sb: Sandbox, node: str, *cmd: str, timeout: int = 5, **opts: str) -> subprocess.CompletedProcess:
+    argv = ["ssh", "-F", str(sb.ssh_config), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout}"]
+    for key, value in opts.items():
+        argv += ["-o", f"{key}={value}"]
+    return subprocess.run(argv + [node, *cmd], capture_output=True, text=True, timeout=timeout + 30,
+                          stdin=subprocess.DEVNULL, check=False)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie waits for its parent, here the machine's
+    init, to collect its exit status: nothing of it runs any more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _ip_netns_pids(ns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.sandbox
+def test_every_node_answers_ssh_with_its_own_hostname(sandbox: Sandbox) -> None:
+    for node in sandbox.nodes:
+        proc = _ssh(sandbox, node, "hostname")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == node
+
+
+@pytest.mark.sandbox
+def test_names_resolve_on_the_head_for_plain_ssh_options(sandbox: Sandbox) -> None:
+    """What `corral run` does: the name through /etc/hosts, options from corral.toml."""
+    node = sandbox.nodes[1]
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "StrictHostKeyChecking=yes",
+            "-o", f"UserKnownHostsFile={sandbox.known_hosts}", "-o", f"IdentityFile={sandbox.identity_file}",
+            "-o", "IdentitiesOnly=yes", "-F", "/dev/null", f"root@{node}", "hostname"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == node
+
+
+@pytest.mark.sandbox
+def test_nodes_resolve_each_other_but_hold_no_keys(sandbox: Sandbox) -> None:
+    first, second = sandbox.nodes[:2]
+    code = f"import socket; print(socket.gethostbyname({second!r}))"
+    resolved = sandbox.exec(first, [sys.executable, "-c", code], check=True).stdout.strip()
+    assert resolved == sandbox.addresses[second]
+    proc = sandbox.exec(first, ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+                                "-o", "StrictHostKeyChecking=accept-new", second, "true"], timeout=30)
+    assert proc.returncode == 255 and "Permission denied" in proc.stderr
+
+
+@pytest.mark.sandbox
+def test_ps_on_a_node_shows_only_that_nodes_processes(sandbox: Sandbox) -> None:
+    first, second = sandbox.nodes[:2]
+    marker = f"{600 + uuid.uuid4().int % 1000}.{os.getpid()}"  # a unique `sleep` argument
+    started = _ssh(sandbox, second, f"setsid sleep {marker} >/dev/null 2>&1 < /dev/null & echo $!")
+    assert started.returncode == 0, started.stderr
+    try:
+        out = _ssh(sandbox, first, "ps", "-e", "-o", "pid=,args=").stdout
+        rows = [line.split(None, 1) for line in out.strip().splitlines()]
+        pids = {int(pid): args for pid, args in rows}
+        assert "nodeinit" in pids[1]
+        assert len(pids) < 15, pids
+        assert not any(marker in args for args in pids.values())
+        assert marker in _ssh(sandbox, second, "ps", "-e", "-o", "args=").stdout
+    finally:
+        sandbox.exec(second, ["kill", started.stdout.strip()])  # its pid inside node2
+
+
+@pytest.mark.sandbox
+def test_private_directories_are_private(sandbox: Sandbox) -> None:
+    first, second = sandbox.nodes[:2]
+    mark = f"corral-private-{uuid.uuid4().hex[:8]}"
+    paths = [f"/srv/proj/{mark}", f"/tmp/{mark}", f"/var/tmp/{mark}", f"/root/.ssh/{mark}", f"/home/{mark}"]
+    script = "mkdir -p /srv/proj && " + " && ".join(f"echo x > {p}" for p in paths) + " && ls " + " ".join(paths)
+    assert sandbox.exec(first, ["sh", "-c", script]).returncode == 0
+    seen_on_second = sandbox.exec(second, ["sh", "-c", "ls " + " ".join(paths) + " 2>/dev/null"]).stdout
+    assert seen_on_second.strip() == ""
+    for path in paths:
+        assert not os.path.exists(path), f"{path} leaked to the head"
+    # The head's shared filesystem is visible in the node (the same "image").
+    assert sandbox.exec(first, ["test", "-x", sys.executable]).returncode == 0
+    # ...but the sandbox's own state (the head's private key) is not.
+    assert sandbox.exec(first, ["test", "-e", str(sandbox.identity_file)]).returncode != 0
+
+
+@pytest.mark.sandbox
+def test_exec_passes_the_exit_code_through(sandbox: Sandbox) -> None:
+    proc = sandbox.exec(sandbox.nodes[2], ["sh", "-c", "hostname; pwd; exit 7"])
+    assert proc.returncode == 7
+    assert proc.stdout.split() == [sandbox.nodes[2], "/root"]
+    with pytest.raises(SandboxError, match="no node"):
+        sandbox.exec("no-such-node", ["true"])
+
+
+@pytest.mark.sandbox
+def test_partition_makes_a_node_unreachable_and_heal_restores_it(sandbox: Sandbox) -> None:
+    node, peer = sandbox.nodes[2], sandbox.nodes[0]
+    sandbox.partition(node)
+    try:
+        assert _ssh(sandbox, node, "true", timeout=2).returncode == 255
+        assert sandbox.status().node(node).link == "down"
+        code = f"import socket; socket.create_connection(({sandbox.addresses[node]!r}, 22), 2)"
+        assert sandbox.exec(peer, [sys.executable, "-c", code], timeout=30).returncode != 0
+    finally:
+        sandbox.heal(node)
+    proc = _ssh(sandbox, node, "hostname")
+    assert proc.returncode == 0 and proc.stdout.strip() == node
+
+
+@pytest.mark.sandbox
+def test_stop_kills_everything_on_the_node_and_up_restarts_it(sandbox: Sandbox) -> None:
+    node = sandbox.nodes[3]
+    ns = sandbox.status().node(node).netns
+    assert _ssh(sandbox, node, "setsid sleep 600 >/dev/null 2>&1 < /dev/null &").returncode == 0
+    before = _ip_netns_pids(ns)
+    assert len(before) >= 3  # unshare, init, sshd (and the sleep)
+    try:
+        sandbox.stop(node)
+        assert _ip_netns_pids(ns) == []
+        assert [p for p in before if _running(p)] == []
+        assert _ssh(sandbox, node, "true", timeout=2).returncode == 255
+        assert sandbox.status().node(node).state == "stopped"
+    finally:
+        sandbox.up()
+    assert _ssh(sandbox, node, "hostname").stdout.strip() == node
+
+
+@pytest.mark.sandbox
+def test_up_again_is_idempotent(sandbox: Sandbox) -> None:
+    before = sandbox.status()
+    after = sandbox.up(len(sandbox.nodes), with_keys=True)
+    assert after.up
+    assert [n.init_pid for n in after.nodes] == [n.init_pid for n in before.nodes]
+    assert Path("/etc/hosts").read_text().count(f"# corral-sandbox {sandbox.name} begin") == 1
+    with pytest.raises(SandboxError, match="already up with other settings"):
+        sandbox.up(len(sandbox.nodes) + 1)
+
+
+@pytest.mark.sandbox
+def test_node_names_already_taken_are_refused(sandbox: Sandbox, tmp_path: Path) -> None:
+    clash = Sandbox(name=f"{sandbox.name}x", prefix=sandbox.nodes[0][:-1], state_dir=tmp_path / "s")
+    try:
+        with pytest.raises(SandboxError, match=f"sandbox {sandbox.name}"):
+            clash.up(1)
+    finally:
+        clash.down()
+
+
+@pytest.mark.sandbox
+def test_cli_status_json(sandbox: Sandbox) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "corral", "sandbox", "status", "--json", "--name", sandbox.name,
+         "--state-dir", str(sandbox.state_dir)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["up"] is True and data["with_keys"] is True
+    assert [n["name"] for n in data["nodes"]] == sandbox.nodes
+    assert all(n["state"] == "running" and n["link"] == "up" for n in data["nodes"])
+    assert data["files"]["cluster_file"] == str(sandbox.cluster_file)
+
+
+# ---------------------------------------------------------------------------
+# sandboxes of their own
+
+
+@pytest.fixture
+def own_sandbox(tmp_path: Path):
+    """A fresh sandbox for one test (unique name and prefix), always removed."""
+    if not ROOT:
+        pytest.skip("the sandbox needs root")
+    made: list[Sandbox] = []
+
+    def make(suffix: str) -> Sandbox:
+        tag = f"u{os.getpid()}{suffix}"
+        sb = Sandbox(name=tag, prefix=f"{tag}n", state_dir=tmp_path / f"state-{suffix}")
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        sb.down()
+
+
+def _iperf(sb: Sandbox, client: str, server: str) -> float:
+    """Measured throughput client -> server in Mbit/s (iperf3, 2 s)."""
+    assert sb.exec(server, ["iperf3", "-s", "-1", "-D"]).returncode == 0
+    deadline = time.monotonic() + 10
+    while True:
+        proc = sb.exec(client, ["iperf3", "-c", sb.addresses[server], "-t", "2", "-J"], timeout=60)
+        if proc.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # the daemon is not listening yet
+    assert proc.returncode == 0, proc.stdout[-500:]
+    return json.loads(proc.stdout)["end"]["sum_received"]["bits_per_second"] / 1e6
+
+
+@pytest.mark.sandbox
+def test_rate_limits_throughput_between_nodes(own_sandbox) -> None:
+    if shutil.which("iperf3") is None:
+        pytest.fail("iperf3 is needed to measure the link (make system-deps installs it)")
+    sb = own_sandbox("r")
+    sb.up(2, rate="50mbit")
+    first, second = sb.nodes
+    measured = _iperf(sb, first, second)
+    assert 10 < measured < 75, measured
+    sb.slow(first, "10mbit")
+    slowed = _iperf(sb, first, second)
+    assert 2 < slowed < 15, slowed
+    assert sb.status().node(first).rate == 10_000_000
+
+
+@pytest.mark.sandbox
+def test_password_auth_first_contact_on_port_2222(own_sandbox, tmp_path: Path) -> None:
+    sb = own_sandbox("p")
+    sb.up(1, password_auth=True, ssh_port=2222)
+    node = sb.nodes[0]
+    askpass = tmp_path / "askpass.sh"
+    askpass.write_text(f"#!/bin/sh\necho {spec.DEFAULT_PASSWORD}\n")
+    askpass.chmod(0o755)
+    env = dict(os.environ, SSH_ASKPASS=str(askpass), SSH_ASKPASS_REQUIRE="force", DISPLAY=":0")
+
+    def login(user: str) -> subprocess.CompletedProcess:
+        argv = ["setsid", "-w", "ssh", "-p", "2222", "-F", "/dev/null", "-o", "ConnectTimeout=5",
+                "-o", "StrictHostKeyChecking=accept-new", "-o", f"UserKnownHostsFile={tmp_path / 'kh'}",
+                "-o", "PreferredAuthentications=password", "-o", "PubkeyAuthentication=no",
+                "-o", "NumberOfPasswordPrompts=1", f"{user}@{node}", "id -un; hostname; echo $HOME"]
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60,
+                              stdin=subprocess.DEVNULL, check=False)
+
+    ok = login(spec.TEST_USER)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split() == [spec.TEST_USER, node, f"/home/{spec.TEST_USER}"]
+    assert login("root").returncode == 255  # root: keys only, and there are none
+    # Nothing was authorized without --with-keys: the head's key login fails too.
+    assert sb.exec(node, ["sh", "-c", "ls -A /root/.ssh"]).stdout.strip() == ""
+    assert sb.status().test_password == spec.DEFAULT_PASSWORD
+
+
+@pytest.mark.sandbox
+def test_down_leaves_no_namespace_interface_process_or_file(own_sandbox) -> None:
+    sb = own_sandbox("d")
+    sb.up(2, extra_nic=["fast", "decoy"], ssh_port=2222, with_keys=True)
+    status = sb.status()
+    namespaces = [n.netns for n in status.nodes]
+    first = sb.nodes[0]
+    addrs = sb.exec(first, ["ip", "-br", "addr"]).stdout
+    assert "eth1" in addrs and "docker0" in addrs and "172.17.0.1/16" in addrs
+    assert _ssh(sb, first, "setsid sleep 600 >/dev/null 2>&1 < /dev/null &").returncode == 0
+    # A process entered from outside the node's PID namespace counts too.
+    outsider = subprocess.Popen(["ip", "netns", "exec", namespaces[1], "sleep", "600"],
+                                start_new_session=True)
+    pids = [p for ns in namespaces for p in _ip_netns_pids(ns)]
+    assert outsider.pid in pids and len(pids) >= 7
+
+    removed = sb.down()
+
+    outsider.wait(timeout=10)
+    assert sorted(removed["namespaces"]) == sorted(namespaces)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    assert not any(ns in listed for ns in namespaces)
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=False).stdout
+    assert spec.tag_for(sb.name) not in links and f"corral-sandbox:{sb.name}" not in links
+    alive = [p for p in pids if _running(p)]
+    assert alive == []
+    assert f"corral-sandbox {sb.name}" not in Path("/etc/hosts").read_text()
+    assert not sb.state_dir.exists()
+    assert sb.down() == {"namespaces": [], "links": [], "hosts_block": False, "state_dir": None}
+
+
+@pytest.mark.sandbox
+def test_down_cleans_up_after_a_crashed_up(own_sandbox) -> None:
+    """Resources whose state file is gone (a crash mid-up) are found by name."""
+    sb = own_sandbox("c")
+    sb.up(1)
+    node_ns = sb.status().nodes[0].netns
+    (sb.state_dir / files.STATE_FILE).unlink()
+    assert sb.status().exists is False
+    sb.down()
+    assert node_ns not in netns.netns_list()
+    assert f"corral-sandbox {sb.name}" not in Path("/etc/hosts").read_text()
+
+
+@needs_root
+def test_state_dir_holding_other_files_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "precious.txt").write_text("keep me")
+    sb = Sandbox(name=f"v{os.getpid()}", state_dir=tmp_path)
+    with pytest.raises(SandboxError, match="not a sandbox's state directory"):
+        sb.up(1)
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
