@@ -1,0 +1,124 @@
+"""Launch planning is pure: every launcher's per-node argv/env, checked exactly."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from corral.errors import UsageError
+from corral.model import Cluster, Host
+from corral.plan import NodeFacts, RunSpec, build_plan, env_from_head, parse_env_flags
+
+
+def cluster(n: int = 2, slots: int | None = 2, **kw) -> Cluster:
+    return Cluster(hosts=tuple(Host(name=f"node{i + 1}", slots=slots, python="/opt/py/bin/python")
+                               for i in range(n)), **kw)
+
+
+def plan(spec: RunSpec, c: Cluster | None = None, **kw):
+    c = c or cluster()
+    facts = kw.pop("facts", {h.name: NodeFacts() for h in c.hosts})
+    return build_plan(c, spec, facts, master_addr="10.0.0.1", master_port=29400,
+                      head_env=kw.pop("head_env", {}), head_cwd="/home/me/proj")
+
+
+def test_torchrun_explicit_node_ranks() -> None:
+    p = plan(RunSpec(program="train.py", args=("--lr", "1e-3"), run_id="r1"))
+    assert [n.argv for n in p.nodes] == [
+        ("/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={r}",
+         "--nproc-per-node=2", "--master-addr=10.0.0.1", "--master-port=29400", "--max-restarts=0",
+         "train.py", "--lr", "1e-3")
+        for r in (0, 1)
+    ]
+    assert [list(n.ranks) for n in p.nodes] == [[0, 1], [2, 3]]
+    assert p.world_size == 4
+    assert all(n.pipe_rank is None and n.requires == "torch" for n in p.nodes)
+
+
+def test_env_contract() -> None:
+    p = plan(RunSpec(program="train.py", run_id="r1"))
+    env = p.nodes[1].env
+    assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == "29400"
+    assert env["NODE_RANK"] == "1" and env["NNODES"] == "2" and env["WORLD_SIZE"] == "4"
+    assert env["CORRAL_RUN_ID"] == "r1" and env["CORRAL_HOSTS"] == "node1,node2"
+    assert env["CORRAL_NPROC_PER_NODE"] == "2"
+
+
+def test_module_and_cwd() -> None:
+    p = plan(RunSpec(program="pkg.train", module=True, run_id="r"))
+    assert p.nodes[0].argv[-2:] == ("-m", "pkg.train") and p.nodes[0].cwd == "/home/me/proj"
+    p = plan(RunSpec(program="t.py", workdir="/srv/x", run_id="r"))
+    assert {n.cwd for n in p.nodes} == {"/srv/x"}
+
+
+def test_accelerate_plan() -> None:
+    p = plan(RunSpec(program="train.py", launcher="accelerate", run_id="r"),
+             facts={"node1": NodeFacts(gpus=2), "node2": NodeFacts(gpus=2)})
+    argv = p.nodes[1].argv
+    assert argv[:3] == ("/opt/py/bin/python", "-m", "accelerate.commands.launch")
+    joined = " ".join(argv)
+    assert "--num_machines 2 --machine_rank 1 --num_processes 4" in joined
+    assert "--main_process_ip 10.0.0.1 --main_process_port 29400" in joined
+    assert "--multi_gpu" in argv and argv[-1] == "train.py"
+    cpu = plan(RunSpec(program="train.py", launcher="accelerate", run_id="r"))
+    assert "--cpu" in cpu.nodes[0].argv
+
+
+def test_deepspeed_plan_world_info() -> None:
+    p = plan(RunSpec(program="train.py", launcher="deepspeed", run_id="r"))
+    argv = p.nodes[1].argv
+    assert argv[:4] == ("/opt/py/bin/python", "-u", "-m", "deepspeed.launcher.launch")
+    info = next(a for a in argv if a.startswith("--world_info=")).split("=", 1)[1]
+    assert json.loads(base64.urlsafe_b64decode(info)) == {"node1": [0, 1], "node2": [0, 1]}
+    assert "--node_rank=1" in argv and "--master_addr=10.0.0.1" in argv
+
+
+def test_lightning_and_command() -> None:
+    p = plan(RunSpec(program="fit.py", launcher="lightning", run_id="r"))
+    assert p.nodes[1].argv == ("/opt/py/bin/python", "fit.py") and p.nodes[1].pipe_rank == 2
+    assert p.nodes[1].env["WORLD_SIZE"] == "4" and "LOCAL_RANK" not in p.nodes[1].env
+    p = plan(RunSpec(program="nvidia-smi", args=("-L",), launcher="command", run_id="r"))
+    assert p.nodes[1].argv == ("nvidia-smi", "-L") and p.nodes[1].nproc == 1
+    assert p.nodes[1].env["RANK"] == "1" and p.nodes[1].env["WORLD_SIZE"] == "2"
+
+
+def test_nproc_resolution() -> None:
+    c = cluster(slots=None)
+    p = plan(RunSpec(program="t.py", run_id="r"), c, facts={"node1": NodeFacts(gpus=8), "node2": NodeFacts(gpus=8)})
+    assert p.world_size == 16
+    p = plan(RunSpec(program="t.py", nproc_per_node=3, run_id="r"), c)
+    assert p.world_size == 6
+    with pytest.raises(UsageError, match="same number of processes"):
+        plan(RunSpec(program="t.py", run_id="r"), c, facts={"node1": NodeFacts(gpus=8), "node2": NodeFacts(gpus=4)})
+
+
+def test_only_named_or_allowlisted_env_travels() -> None:
+    head = {"NCCL_DEBUG": "INFO", "HOME": "/home/me", "AWS_SECRET_ACCESS_KEY": "s", "HF_TOKEN": "t",
+            "OMP_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "0", "PATH": "/bin", "TORCH_NCCL_TRACE": "1"}
+    assert env_from_head(head) == {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "TORCH_NCCL_TRACE": "1"}
+    p = plan(RunSpec(program="t.py", env={"WANDB_API_KEY": "k"}, run_id="r"), head_env=head)
+    env = p.nodes[0].env
+    assert env["WANDB_API_KEY"] == "k" and "HOME" not in env and "HF_TOKEN" not in env
+
+
+def test_cluster_and_host_env_layering() -> None:
+    c = Cluster(hosts=(Host(name="a", slots=1, env={"NCCL_SOCKET_IFNAME": "ens1"}), Host(name="b", slots=1)),
+                env={"NCCL_SOCKET_IFNAME": "eth0", "X": "1"})
+    p = plan(RunSpec(program="t.py", env={"X": "2"}, run_id="r"), c, head_env={"NCCL_SOCKET_IFNAME": "lo"})
+    assert p.nodes[0].env["NCCL_SOCKET_IFNAME"] == "ens1"
+    assert p.nodes[1].env["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert p.nodes[0].env["X"] == "2"
+
+
+def test_env_flags() -> None:
+    assert parse_env_flags(("A=1", "B"), {"B": "x"}) == {"A": "1", "B": "x"}
+    with pytest.raises(UsageError, match="not set on this machine"):
+        parse_env_flags(("C",), {})
+    with pytest.raises(UsageError, match="not a valid variable name"):
+        parse_env_flags(("1X=2",), {})
+    with pytest.raises(UsageError, match="set by corral"):
+        RunSpec(program="t.py", env={"MASTER_ADDR": "x"})
+    with pytest.raises(UsageError, match="--launcher"):
+        RunSpec(program="t.py", launcher="mpirun")

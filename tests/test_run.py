@@ -1,0 +1,232 @@
+"""`corral run` end to end on this machine: real agent, real torchrun, gloo.
+
+These go through the same plan -> transport -> agent path as a remote node
+(the local transport only skips ssh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+CORRAL = [sys.executable, "-m", "corral"]
+
+
+def corral(args: list[str], cwd: Path, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(CORRAL + args, cwd=cwd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def write(path: Path, body: str) -> Path:
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+CHATTY = """
+    import os, sys, time
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for i in range(200):
+        # long lines, written as fast as possible by both ranks at once
+        print(f"rank {rank} line {i} " + "x" * 300)
+    for i in range(20):
+        sys.stderr.write(f"\\rprogress {i}/20"); sys.stderr.flush()
+    sys.stderr.write("\\n")
+    dist.barrier()
+    dist.destroy_process_group()
+"""
+
+
+def test_lines_carry_their_rank_and_never_merge(tmp_path: Path) -> None:
+    write(tmp_path / "chatty.py", CHATTY)
+    res = corral(["run", "chatty.py"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[r")]
+    body = [ln for ln in lines if " line " in ln]
+    assert len(body) == 400, f"expected 200 lines from each of 2 ranks, got {len(body)}"
+    for ln in body:
+        m = re.fullmatch(r"\[r(\d)\] rank (\d) line (\d+) x{300}", ln)
+        assert m, f"merged or unprefixed line: {ln[:120]!r}"
+        assert m.group(1) == m.group(2), f"line of rank {m.group(2)} labelled r{m.group(1)}"
+    # A carriage-return progress bar does not flood stdout when it is not a tty.
+    progress = [ln for ln in res.stdout.splitlines() if "progress" in ln]
+    assert len(progress) <= 4, progress
+
+
+def test_run_directory_layout(tmp_path: Path) -> None:
+    write(tmp_path / "chatty.py", CHATTY)
+    res = corral(["run", "--json", "chatty.py"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout[res.stdout.index("{\n"):])
+    run_dir = Path(result["run_dir"])
+    assert run_dir.parent == tmp_path / "runs"
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "succeeded" and record["exit_code"] == 0
+    assert record["world_size"] == 2 and record["launcher"] == "torchrun"
+    host_dirs = [p for p in run_dir.iterdir() if p.is_dir()]
+    assert len(host_dirs) == 1
+    files = sorted(p.name for p in host_dirs[0].iterdir())
+    assert files == ["launcher.log", "rank0.log", "rank1.log"]
+    rank1 = (host_dirs[0] / "rank1.log").read_text()
+    assert rank1.count("rank 1 line") == 200 and "rank 0 line" not in rank1
+    # The full text keeps the progress redraws.
+    assert "progress 19/20" in rank1
+
+
+def test_failing_rank_exit_code_and_summary(tmp_path: Path) -> None:
+    write(tmp_path / "fail.py", """
+        import os, sys, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            def load_batch():
+                raise KeyError("missing_column")
+            try:
+                load_batch()
+            except KeyError:
+                print("giving up", flush=True)
+                sys.exit(7)
+        time.sleep(60)  # rank 0 would wait forever; corral must stop it
+    """)
+    t0 = time.monotonic()
+    res = corral(["run", "fail.py"], tmp_path)
+    assert res.returncode == 7, (res.returncode, res.stderr)
+    assert time.monotonic() - t0 < 50, "the surviving rank was not stopped"
+    assert "rank 1" in res.stderr and "exited with code 7" in res.stderr
+    assert "giving up" in res.stderr  # the tail of the failed rank's log
+    record = json.loads(next((tmp_path / "runs").glob("*/run.json")).read_text())
+    assert record["failure"]["rank"] == 1 and record["failure"]["exit_code"] == 7
+
+
+def test_traceback_tail_of_uncaught_exception(tmp_path: Path) -> None:
+    write(tmp_path / "boom.py", """
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        def step():
+            raise ValueError("loss is nan at step 3")
+        if dist.get_rank() == 0:
+            step()
+        dist.barrier()
+    """)
+    res = corral(["run", "boom.py"], tmp_path)
+    assert res.returncode != 0
+    assert "rank 0" in res.stderr and "ValueError: loss is nan at step 3" in res.stderr
+    assert "Traceback (most recent call last)" in res.stderr
+    assert 'line 5, in step' in res.stderr
+
+
+def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    write(tmp_path / "stubborn.py", f"""
+        import os, subprocess, sys, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        # A grandchild in its own session that ignores SIGTERM: the hardest case.
+        child = subprocess.Popen([sys.executable, "-c",
+            "import os,signal,time; os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+        with open(os.path.join({str(pids)!r}, f"{{os.getpid()}}-{{child.pid}}"), "w"):
+            pass
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen(CORRAL + ["run", "stubborn.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(pids.iterdir())) < 2:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "ranks never started"
+            time.sleep(0.2)
+        recorded = [int(p) for name in os.listdir(pids) for p in name.split("-")]
+        assert all(pid_alive(p) for p in recorded)
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        while any(pid_alive(p) for p in recorded) and time.monotonic() - t0 < 5:
+            time.sleep(0.1)
+        left = [p for p in recorded if pid_alive(p)]
+        assert not left, f"processes of the run still alive 5 s after Ctrl-C: {left}"
+        proc.wait(timeout=10)
+        assert proc.returncode == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # ... and neither is the agent.
+    agents = subprocess.run(["pgrep", "-f", "corral-agent"], capture_output=True, text=True).stdout.split()
+    mine = [a for a in agents if Path(f"/proc/{a}/cwd").exists() and str(tmp_path) in os.readlink(f"/proc/{a}/cwd")]
+    assert not mine
+
+
+def test_dry_run_prints_plan_and_starts_nothing(tmp_path: Path) -> None:
+    res = corral(["run", "--dry-run", "--json", "-n", "3", "--env", "FOO=bar", "train.py", "--lr", "3"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    assert plan["world_size"] == 3
+    node = plan["nodes"][0]
+    assert node["argv"][1:4] == ["-m", "torch.distributed.run", "--nnodes=1"]
+    assert "--nproc-per-node=3" in node["argv"] and node["argv"][-3:] == ["train.py", "--lr", "3"]
+    assert node["env"]["FOO"] == "bar" and node["env"]["MASTER_ADDR"] == "127.0.0.1"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_script_is_named_before_anything_starts(tmp_path: Path) -> None:
+    res = corral(["run", "nope.py"], tmp_path)
+    assert res.returncode == 3
+    assert "nope.py not found" in res.stderr and "corral sync" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_workdir_is_named(tmp_path: Path) -> None:
+    res = corral(["run", "--workdir", str(tmp_path / "absent"), "train.py"], tmp_path)
+    assert res.returncode == 3
+    assert "absent does not exist" in res.stderr
+    assert "corral sync" in res.stderr
+
+
+def test_bad_env_flag_is_a_usage_error(tmp_path: Path) -> None:
+    res = corral(["run", "--env", "NOT_SET_ANYWHERE_XYZ", "train.py"], tmp_path)
+    assert res.returncode == 2
+    assert "NOT_SET_ANYWHERE_XYZ is not set on this machine" in res.stderr
+    res = corral(["run", "--env", "MASTER_PORT=1", "train.py"], tmp_path)
+    assert res.returncode == 2 and "set by corral" in res.stderr
+
+
+def test_max_restarts_reruns_the_job(tmp_path: Path) -> None:
+    marker = tmp_path / "attempts"
+    write(tmp_path / "flaky.py", f"""
+        import os, sys
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            with open({str(marker)!r}, "a") as f:
+                f.write("x")
+        dist.barrier()
+        n = len(open({str(marker)!r}).read())
+        if n < 2 and dist.get_rank() == 1:
+            sys.exit(5)
+        print("attempt", n, "ok")
+        dist.barrier()
+    """)
+    res = corral(["run", "--max-restarts", "2", "flaky.py"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert marker.read_text() == "xx"
+    assert "restarting the job" in res.stdout
