@@ -313,6 +313,18 @@ def test_stop_kills_everything_on_the_node_and_up_restarts_it(sandbox: Sandbox) 
 
 
 @pytest.mark.sandbox
+def test_up_repairs_a_node_whose_sshd_died(sandbox: Sandbox) -> None:
+    node = sandbox.nodes[1]
+    # Inside the node the pid file is right (node pids); from the head it never is.
+    sandbox.exec(node, ["sh", "-c", "kill $(cat /run/corral/node/sshd.pid)"], check=True)
+    try:
+        assert _ssh(sandbox, node, "true", timeout=2).returncode == 255
+    finally:
+        sandbox.up()
+    assert _ssh(sandbox, node, "hostname").stdout.strip() == node
+
+
+@pytest.mark.sandbox
 def test_up_again_is_idempotent(sandbox: Sandbox) -> None:
     before = sandbox.status()
     after = sandbox.up(len(sandbox.nodes), with_keys=True)
@@ -346,6 +358,8 @@ def test_cli_status_json(sandbox: Sandbox) -> None:
     assert [n["name"] for n in data["nodes"]] == sandbox.nodes
     assert all(n["state"] == "running" and n["link"] == "up" for n in data["nodes"])
     assert data["files"]["cluster_file"] == str(sandbox.cluster_file)
+    cluster = sandbox.cluster()
+    assert cluster.names == sandbox.nodes and cluster.path == str(sandbox.cluster_file)
 
 
 # ---------------------------------------------------------------------------

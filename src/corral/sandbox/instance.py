@@ -335,8 +335,10 @@ class Sandbox(NodeOps, TeardownOps):
         home = pwd.getpwuid(0).pw_dir
         for nn in sp.all_nodes():
             if netns.find_init(running[nn.netns]) is not None:
-                continue
-            if running[nn.netns]:  # processes without an init: clear them first
+                if nodes_mod.ssh_banner(sp.address(nn.index), sp.ssh_port, timeout=2.0):
+                    continue
+                log.info("%s: init running but sshd silent; restarting the node", nn.name)
+            if running[nn.netns]:  # a node without a working init/sshd: clear it first
                 netns.empty_netns([nn.netns])
             nodes_mod.start(tools=tools, python=state["python"], spec=sp, node=nn,
                             node_dir=self.node_dir(nn.name), home=home,
