@@ -63,7 +63,7 @@ def test_accelerate_plan() -> None:
     assert "--main_process_ip 10.0.0.1 --main_process_port 29400" in joined
     assert "--multi_gpu" in argv and argv[-1] == "train.py"
     cpu = plan(RunSpec(program="train.py", launcher="accelerate", run_id="r"))
-    assert "--cpu" in cpu.nodes[0].argv
+    assert "--multi_gpu" in cpu.nodes[0].argv and cpu.nodes[0].env["ACCELERATE_USE_CPU"] == "1"
 
 
 def test_deepspeed_plan_world_info() -> None:

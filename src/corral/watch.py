@@ -119,6 +119,8 @@ class JobWatch:
             lambda: collections.deque(maxlen=TAIL_LINES)
         )
         self.failures: list[Failure] = []
+        #: Ranks terminated by a signal, held until their node's exit says whether it failed.
+        self.soft: dict[str, list[Failure]] = {}
         self.stopping = False
         self._seq = itertools.count()
 
@@ -147,6 +149,8 @@ class JobWatch:
             if ev.get("error"):
                 self._fail(Failure(host=host, rank=None, kind="start", reason=ev["error"], code=127))
             elif (node.exit_code or node.exit_signal) and not self.stopping:
+                for soft in self.soft.pop(host, []):
+                    self._fail(soft)
                 self._fail(Failure(host=host, rank=None, kind="signal" if node.exit_signal else "exit",
                                    code=node.exit_code, signal=node.exit_signal,
                                    consequential=True))  # the rank that caused it is reported separately
@@ -163,7 +167,13 @@ class JobWatch:
             return
         if self.stopping and (sig in _TERMINATED or sig == int(_signal.SIGKILL) or code in (143, 137)):
             return  # our own teardown
-        consequential = bool(exc and _PEER_FAILURE.search(exc)) or sig in _TERMINATED
+        if sig in _TERMINATED and not exc:
+            # Terminated by someone (its launcher tearing down, Lightning's main
+            # process exiting first): a failure only if its node then fails.
+            self.soft.setdefault(host, []).append(
+                Failure(host=host, rank=ev.get("r"), kind="signal", signal=sig, consequential=True))
+            return
+        consequential = bool(exc and _PEER_FAILURE.search(exc))
         if not consequential and not exc:
             # No exception line recorded: look at what the rank last wrote.
             tail = "\n".join(list(self.tails[ev.get("r")])[-30:])

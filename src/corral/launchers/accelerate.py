@@ -4,7 +4,8 @@ Each node runs `accelerate launch` with its machine rank, the number of
 machines and the main process address; accelerate then starts the local
 processes (through torch.distributed.run).  ``--num_processes`` is the total
 across all machines, as accelerate expects.  On nodes without GPUs the
-launch is multi-process CPU (``--cpu``); with GPUs it is ``--multi_gpu``.
+launch is ``--multi_gpu`` with ``ACCELERATE_USE_CPU=1`` (multi-process CPU over
+gloo); with GPUs it is ``--multi_gpu``.
 Anything else (mixed precision, a DeepSpeed/FSDP config file) goes through
 ``--launcher-arg`` or the user's accelerate config, untouched.
 """
@@ -23,10 +24,17 @@ def plan(ctx: NodeContext) -> NodeCommand:
         "--main_process_ip", ctx.master_addr,
         "--main_process_port", str(ctx.master_port),
     ]
+    env: dict[str, str] = {}
     if ctx.world_size > 1:
-        argv.append("--multi_gpu" if ctx.gpus else "--cpu")
+        # --multi_gpu is accelerate's multi-process mode (it starts the local
+        # ranks through torchrun); on CPU-only nodes ACCELERATE_USE_CPU makes
+        # those processes train together over gloo.  (`--cpu` alone would
+        # start a single process.)
+        argv.append("--multi_gpu")
+        if not ctx.gpus:
+            env["ACCELERATE_USE_CPU"] = "1"
     argv += list(ctx.launcher_args)
     if ctx.module:
         argv.append("--module")
     argv += [ctx.program, *ctx.args]
-    return NodeCommand(argv=tuple(argv), requires="accelerate")
+    return NodeCommand(argv=tuple(argv), env=env, requires="accelerate")

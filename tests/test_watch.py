@@ -1,0 +1,64 @@
+"""Root-cause selection from agent events, the way an engineer reads logs."""
+
+from __future__ import annotations
+
+from corral.model import Cluster, Host
+from corral.plan import NodeFacts, RunSpec, build_plan
+from corral.watch import JobWatch
+
+
+def watch() -> JobWatch:
+    c = Cluster(hosts=(Host(name="a", slots=2), Host(name="b", slots=2)))
+    plan = build_plan(c, RunSpec(program="t.py", run_id="r"), {"a": NodeFacts(), "b": NodeFacts()},
+                      master_addr="10.0.0.1", master_port=1, head_env={}, head_cwd="/")
+    return JobWatch(plan, sinks=[])
+
+
+def test_own_error_beats_peers_that_saw_it_first() -> None:
+    w = watch()
+    # Rank 0 reports first, but only because its peer vanished.
+    w.event("a", {"ev": "rank_exit", "r": 0, "code": 1,
+                  "exc": "torch.distributed.DistBackendError: Connection closed by peer [10.0.0.2]:123"})
+    w.event("b", {"ev": "rank_exit", "r": 3, "code": 1, "exc": "RuntimeError: CUDA error: illegal memory access"})
+    cause = w.root_cause()
+    assert (cause.host, cause.rank) == ("b", 3)
+    assert "illegal memory access" in cause.describe()
+
+
+def test_first_observed_wins_among_equals() -> None:
+    w = watch()
+    w.event("b", {"ev": "rank_exit", "r": 2, "code": 2, "exc": "ValueError: x"})
+    w.event("a", {"ev": "rank_exit", "r": 1, "code": 3, "exc": "KeyError: y"})
+    assert w.root_cause().rank == 2
+
+
+def test_terminated_rank_is_not_a_failure_when_its_node_succeeds() -> None:
+    w = watch()
+    w.event("a", {"ev": "rank_exit", "r": 1, "code": None, "sig": 15, "exc": None})
+    w.event("a", {"ev": "exit", "code": 0, "sig": None})
+    assert not w.failed
+
+
+def test_terminated_rank_counts_when_its_node_fails() -> None:
+    w = watch()
+    w.event("a", {"ev": "rank_exit", "r": 1, "code": None, "sig": 15, "exc": None})
+    w.event("a", {"ev": "exit", "code": 1, "sig": None})
+    assert w.failed and w.root_cause().rank == 1
+
+
+def test_lost_node_and_teardown_victims() -> None:
+    w = watch()
+    w.lose("b", "no heartbeat for 10s")
+    w.stopping = True
+    w.event("a", {"ev": "rank_exit", "r": 0, "code": None, "sig": 9, "exc": None})
+    cause = w.root_cause()
+    assert cause.kind == "lost" and cause.host == "b" and len(w.failures) == 1
+    assert "b was lost" in cause.describe()
+
+
+def test_tail_is_the_traceback() -> None:
+    w = watch()
+    for line in ["step 1", "step 2", "[rank1]: Traceback (most recent call last):", "[rank1]:   File x", "[rank1]: ValueError: v"]:
+        w.event("a", {"ev": "line", "r": 1, "s": "log", "t": line})
+    w.event("a", {"ev": "rank_exit", "r": 1, "code": 1, "exc": "ValueError: v"})
+    assert w.tail_for(w.root_cause())[0].endswith("Traceback (most recent call last):")
