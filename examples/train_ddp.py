@@ -24,9 +24,10 @@ Run it:
     # corral, on every host of a hostfile (`host slots=N` per line):
     corral run -c hostfile examples/train_ddp.py
 
-    # save a checkpoint every epoch, then continue a stopped run from it:
-    torchrun --nproc-per-node 2 examples/train_ddp.py --epochs 2 --ckpt out/ckpt.pt
-    torchrun --nproc-per-node 2 examples/train_ddp.py --epochs 4 --ckpt out/ckpt.pt --resume
+    # save a checkpoint after every epoch; if the run stops, the same command
+    # with --resume continues it (same --epochs: the lr schedule spans them):
+    torchrun --nproc-per-node 2 examples/train_ddp.py --ckpt out/ckpt.pt
+    torchrun --nproc-per-node 2 examples/train_ddp.py --ckpt out/ckpt.pt --resume
 
 Launcher contract: with no launcher it runs as one process.  Under torchrun
 (or anything that sets the same variables: corral, Slurm + a wrapper) it reads
@@ -48,11 +49,12 @@ import math
 import os
 import sys
 import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -65,23 +67,23 @@ except ImportError:  # pragma: no cover - depends on the environment
 # settings: defaults with a comment each; every one is also a command-line flag
 
 parser = argparse.ArgumentParser(description="Train a small MLP with DDP (CPU/gloo or GPU/NCCL).")
-parser.add_argument("--epochs", type=int, default=6, help="passes over the training set")
-parser.add_argument("--batch-size", type=int, default=128,
-                    help="GLOBAL batch size; each of the WORLD_SIZE ranks gets batch-size / WORLD_SIZE")
-parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay to lr/10)")
-parser.add_argument("--samples", type=int, default=16384, help="training examples (another 1/8 for validation)")
-parser.add_argument("--hidden", type=int, default=128, help="width of the student's two hidden layers")
-parser.add_argument("--seed", type=int, default=1337, help="seeds the data and the initial weights")
-parser.add_argument("--log-every", type=int, default=20, help="print a step line every N optimizer steps")
-parser.add_argument("--ckpt", default="", help="checkpoint path written by rank 0 after every epoch ('' = none)")
-parser.add_argument("--resume", action="store_true", help="continue from --ckpt: weights, optimizer, epoch, step")
-parser.add_argument("--no-progress", action="store_true", help="no tqdm bar on rank 0 (step lines only)")
+add = parser.add_argument
+add("--epochs", type=int, default=6, help="passes over the training set")
+add("--batch-size", type=int, default=128, help="GLOBAL batch; each rank gets it / WORLD_SIZE")
+add("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay to lr/10)")
+add("--samples", type=int, default=16384, help="training examples (and 1/8 more for validation)")
+add("--hidden", type=int, default=128, help="width of the student's two hidden layers")
+add("--seed", type=int, default=1337, help="seeds the data and the initial weights")
+add("--log-every", type=int, default=20, help="print a step line every N optimizer steps")
+add("--ckpt", default="", help="checkpoint written by rank 0 after every epoch ('' = none)")
+add("--resume", action="store_true", help="continue from --ckpt: weights, optimizer, epoch, step")
+add("--no-progress", action="store_true", help="no tqdm bar on rank 0 (step lines only)")
 args = parser.parse_args()
 
 IN_DIM, N_CLASSES = 8, 8  # the teacher's input size and number of labels
 
 
-def fail(message: str, hint: str) -> None:
+def fail(message: str, hint: str) -> NoReturn:
     """Stop with a message a person can act on, and a non-zero exit code."""
     print(f"train_ddp.py: error: {message}\nHINT: {hint}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -94,13 +96,17 @@ ddp = "RANK" in os.environ or "WORLD_SIZE" in os.environ
 if ddp:
     # Check the whole contract up front: a missing MASTER_ADDR would otherwise surface as
     # a cryptic "environment variable MASTER_ADDR expected, but not set" inside torch.
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    contract = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in contract if k not in os.environ]
     if missing:
-        fail(f"{', '.join(missing)} not set, but {'RANK' if 'RANK' in os.environ else 'WORLD_SIZE'} is: "
-             "this looks like a half-configured distributed launch",
-             "start it with a launcher that sets all of them, e.g. "
-             "`torchrun --nproc-per-node 2 examples/train_ddp.py` or `corral run examples/train_ddp.py`; "
-             "or unset RANK and WORLD_SIZE to run a single process")
+        present = [k for k in contract if k in os.environ]
+        fail(
+            f"missing {', '.join(missing)} (found {', '.join(present)}): "
+            "a half-configured distributed launch",
+            "start it with a launcher that sets all of them, e.g. `torchrun --nproc-per-node 2 "
+            "examples/train_ddp.py` or `corral run examples/train_ddp.py`; "
+            "or unset RANK and WORLD_SIZE to run a single process",
+        )
     rank = int(os.environ["RANK"])  # this process among all processes on all nodes
     world_size = int(os.environ["WORLD_SIZE"])  # processes on all nodes
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # this process on this node: picks the GPU
@@ -108,6 +114,11 @@ else:
     rank, world_size, local_rank = 0, 1, 0
 
 if torch.cuda.is_available():
+    if local_rank >= torch.cuda.device_count():
+        fail(
+            f"LOCAL_RANK {local_rank} but this node has {torch.cuda.device_count()} GPU(s)",
+            "start at most one process per GPU, e.g. `torchrun --nproc-per-node gpu ...`",
+        )
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)  # before init: NCCL binds each rank to its own GPU
     backend = "nccl"
@@ -117,6 +128,7 @@ else:
 if ddp:
     dist.init_process_group(backend=backend)  # env:// rendezvous at MASTER_ADDR:MASTER_PORT
 master = rank == 0  # only global rank 0 prints, shows the bar and writes checkpoints
+bar = None  # rank 0's tqdm progress bar, opened with the training loop
 
 
 def print0(*parts: object) -> None:
@@ -130,10 +142,12 @@ def print0(*parts: object) -> None:
         print(line, flush=True)
 
 
-if args.batch_size % world_size != 0:
-    fail(f"--batch-size {args.batch_size} does not split evenly over {world_size} processes",
-         f"use a multiple of {world_size}, e.g. --batch-size {world_size * max(1, args.batch_size // world_size)}")
 local_batch = args.batch_size // world_size  # each rank's share; DDP averages gradients over ranks
+if local_batch * world_size != args.batch_size:
+    fail(
+        f"--batch-size {args.batch_size} does not split evenly over {world_size} processes",
+        f"use a multiple of {world_size}, e.g. --batch-size {world_size * max(1, local_batch)}",
+    )
 
 # -----------------------------------------------------------------------------
 # data: generated from the seed, identical on every rank; the sampler gives each rank its own slice
@@ -152,21 +166,27 @@ x_all, y_all = make_data(args.samples + args.samples // 8, args.seed)
 train_set = TensorDataset(x_all[: args.samples], y_all[: args.samples])
 x_val, y_val = x_all[args.samples :].to(device), y_all[args.samples :].to(device)
 # num_replicas/rank given explicitly so the same code also runs without a process group.
-sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-# drop_last: every rank takes the same number of steps, so no rank waits for a gradient that never comes.
+sampler = DistributedSampler(
+    train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed
+)
+# drop_last: every rank takes the same number of steps; none waits for a gradient that never comes.
 loader = DataLoader(train_set, batch_size=local_batch, sampler=sampler, drop_last=True)
 steps_per_epoch = len(loader)
 if steps_per_epoch == 0:
-    fail(f"--samples {args.samples} gives no full batch of {local_batch} per rank",
-         "raise --samples or lower --batch-size")
+    fail(
+        f"--samples {args.samples} gives no full batch of {local_batch} per rank",
+        "raise --samples or lower --batch-size",
+    )
 
 # -----------------------------------------------------------------------------
 # model and optimizer
 
 torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
 model = nn.Sequential(
-    nn.Linear(IN_DIM, args.hidden), nn.GELU(),
-    nn.Linear(args.hidden, args.hidden), nn.GELU(),
+    nn.Linear(IN_DIM, args.hidden),
+    nn.GELU(),
+    nn.Linear(args.hidden, args.hidden),
+    nn.GELU(),
     nn.Linear(args.hidden, N_CLASSES),
 ).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -195,8 +215,11 @@ if args.resume:
     optimizer.load_state_dict(ckpt["optimizer"])
     start_epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
     if master:
-        print(f"resumed from {args.ckpt} at epoch {start_epoch}, step {step} "
-              f"(last loss {ckpt['loss']:.4f})", flush=True)
+        print(
+            f"resumed from {args.ckpt} at epoch {start_epoch}, step {step} "
+            f"(last loss {ckpt['loss']:.4f})",
+            flush=True,
+        )
 
 if ddp:
     # CPU: no device_ids.  GPU: this rank's device only.
@@ -208,8 +231,14 @@ def save_checkpoint(epoch: int, loss: float) -> None:
     """Rank 0 writes atomically (tmp + rename), so a crash never leaves half a file."""
     if master and args.ckpt:
         os.makedirs(os.path.dirname(os.path.abspath(args.ckpt)), exist_ok=True)
-        state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "epoch": epoch, "step": step, "loss": loss, "args": vars(args)}
+        state = {
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "epoch": epoch,
+            "step": step,
+            "loss": loss,
+            "args": vars(args),
+        }
         tmp = f"{args.ckpt}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, args.ckpt)
@@ -251,15 +280,18 @@ def get_lr(it: int) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
-bar = None
 if master and tqdm is not None and not args.no_progress and step < total_steps:
     bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=False)
 
-print0(f"training on {world_size} process(es) ({backend}, {device.type}) | "
-       f"global batch {args.batch_size} = {world_size} x {local_batch} | "
-       f"{steps_per_epoch} steps/epoch | epochs {start_epoch}..{args.epochs}")
+print0(
+    f"training on {world_size} process(es) ({backend}, {device.type}) | "
+    f"global batch {args.batch_size} = {world_size} x {local_batch} | "
+    f"{steps_per_epoch} steps/epoch | epochs {start_epoch}..{args.epochs}"
+)
 first_loss = last_loss = math.nan
-window: list[float] = []  # losses since the last step line, averaged when printed
+window: list[
+    torch.Tensor
+] = []  # losses since the last step line; .item() only when printing (a GPU sync)
 t0 = time.perf_counter()
 for epoch in range(start_epoch, args.epochs):
     sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
@@ -273,16 +305,21 @@ for epoch in range(start_epoch, args.epochs):
         loss.backward()  # DDP all-reduces (averages) the gradients here
         optimizer.step()
         step += 1
-        window.append(loss.item())
+        window.append(loss.detach())
         if bar is not None:
             bar.update(1)
         # Print the first step (to see where it starts), every --log-every steps and the last one.
-        if len(window) == 1 and math.isnan(first_loss) or step % args.log_every == 0 or step == total_steps:
-            last_loss = mean_over_ranks(sum(window) / len(window))  # a collective: every rank calls it
+        if math.isnan(first_loss) or step % args.log_every == 0 or step == total_steps:
+            last_loss = mean_over_ranks(
+                torch.stack(window).mean().item()
+            )  # a collective: all ranks call it
             if math.isnan(first_loss):
                 first_loss = last_loss
             dt_ms = (time.perf_counter() - t0) * 1000 / len(window)
-            print0(f"step {step:5d} | epoch {epoch} | loss {last_loss:.4f} | lr {lr:.2e} | {dt_ms:.1f} ms/step")
+            print0(
+                f"step {step:5d} | epoch {epoch} | loss {last_loss:.4f} | lr {lr:.2e} | "
+                f"{dt_ms:.1f} ms/step"
+            )
             window.clear()
             t0 = time.perf_counter()
     val_loss, val_acc = evaluate()
@@ -295,7 +332,10 @@ for epoch in range(start_epoch, args.epochs):
 if bar is not None:
     bar.close()
 if step >= total_steps and math.isnan(first_loss):
-    print0(f"nothing to do: the checkpoint already has {start_epoch} epoch(s); raise --epochs to train more")
+    print0(
+        f"nothing to do: the checkpoint already has {start_epoch} epoch(s); "
+        "raise --epochs to train more"
+    )
 else:
     print0(f"done | step {step} | first loss {first_loss:.4f} | final loss {last_loss:.4f}")
 if ddp:

@@ -26,9 +26,9 @@ import argparse
 import os
 
 import torch
-import torch.nn as nn
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -43,8 +43,10 @@ def main() -> None:
     # Guard against a silent trap: N processes started, each training alone (see the docstring).
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and accelerator.num_processes == 1:
-        raise SystemExit(f"accelerate_train.py: error: {launched} processes were started but each runs alone\n"
-                         "HINT: on a machine without GPUs, set ACCELERATE_USE_CPU=1 for `accelerate launch`")
+        raise SystemExit(
+            f"accelerate_train.py: error: {launched} processes were started but each runs alone\n"
+            "HINT: on a machine without GPUs, set ACCELERATE_USE_CPU=1 for `accelerate launch`"
+        )
 
     # Synthetic regression: the same data everywhere; prepare() shards the loader.
     g = torch.Generator().manual_seed(0)
@@ -57,8 +59,10 @@ def main() -> None:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     loss_fn = nn.MSELoss()
 
-    accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, "
-                      f"device {accelerator.device}")
+    accelerator.print(
+        f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, "
+        f"device {accelerator.device}"
+    )
     first = None
     for epoch in range(args.epochs):
         model.train()

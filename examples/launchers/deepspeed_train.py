@@ -18,7 +18,8 @@ CPUAdam) is needed and DS_BUILD_OPS=0 installs work.
     # what `deepspeed` runs on each node (world_info: base64 of {"host": [local ranks]}):
     python -m deepspeed.launcher.launch --world_info=$(echo -n '{"localhost": [0, 1]}' | base64) \
         --node_rank=0 --master_addr=127.0.0.1 --master_port=29500 \
-        examples/launchers/deepspeed_train.py --deepspeed --deepspeed_config examples/launchers/ds_config_zero2.json
+        examples/launchers/deepspeed_train.py \
+        --deepspeed --deepspeed_config examples/launchers/ds_config_zero2.json
 
     # or plain torchrun:
     torchrun --nproc-per-node 2 examples/launchers/deepspeed_train.py \
@@ -33,7 +34,7 @@ import os
 
 import deepspeed
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.utils.data import TensorDataset
 
 
@@ -41,8 +42,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=5)
     # Set by DeepSpeed's launcher (--local_rank=N); torchrun sets LOCAL_RANK instead.
-    parser.add_argument("--local_rank", "--local-rank", type=int,
-                        default=int(os.environ.get("LOCAL_RANK", -1)))
+    parser.add_argument(
+        "--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", "-1"))
+    )
     parser = deepspeed.add_config_arguments(parser)  # --deepspeed, --deepspeed_config
     args = parser.parse_args()
 
@@ -57,7 +59,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
     model_engine, _, loader, _ = deepspeed.initialize(
-        args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset
+    )
     loss_fn = nn.MSELoss()
     rank = torch.distributed.get_rank()
 

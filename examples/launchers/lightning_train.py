@@ -24,7 +24,7 @@ import argparse
 
 import lightning as L
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -48,7 +48,9 @@ class Regressor(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
 
     def on_train_epoch_end(self):
-        self.print(f"epoch {self.current_epoch} | loss {self.trainer.callback_metrics['train_loss']:.4f}")
+        self.print(
+            f"epoch {self.current_epoch} | loss {self.trainer.callback_metrics['train_loss']:.4f}"
+        )
 
 
 def main() -> None:
@@ -82,9 +84,9 @@ def main() -> None:
     trainer.fit(model, loader)
 
     first = trainer.strategy.reduce(model.first_loss, reduce_op="mean")  # every rank calls it
+    final = trainer.callback_metrics["train_loss"]  # the last epoch's mean, synced over ranks
     if trainer.is_global_zero:
-        print(f"first loss {first.item():.4f} | final loss {trainer.callback_metrics['train_loss']:.4f}",
-              flush=True)
+        print(f"first loss {first.item():.4f} | final loss {final.item():.4f}", flush=True)
     # Lightning closes NCCL groups at exit but leaves gloo ones open; a gloo thread alive at
     # interpreter exit can abort with "terminate called without an active exception" (seen once).
     if torch.distributed.is_initialized():
