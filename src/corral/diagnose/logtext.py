@@ -1,0 +1,130 @@
+"""Read log lines the way they really arrive: coloured, prefixed, overwritten.
+
+Logs reach diagnosis from many launchers, each decorating lines its own way:
+torch's ``[rank3]:``, torchrun's ``--tee`` ``[default0]:``, corral's
+``[node2/r3]``, ``[r3]`` and ``[node2]``, pdsh's ``node1: `` and ``pdsh@head: node1:``,
+mpirun's ``[1,3]<stdout>:``, srun's ``5: ``, Ray's ``(Worker pid=7)``, NCCL's
+own ``host:pid:tid [dev]``.  This module strips ANSI colour and those
+prefixes (remembering the host and rank they name) and splits carriage-return
+overwrites (tqdm) so every regex sees the message itself.  It streams, and
+caps line length, so a multi-gigabyte log costs constant memory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import IO, Iterator
+
+#: Longest line kept; real error lines are far shorter, runaway progress bars are not.
+MAX_LINE = 8192
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07|\x1b[@-Z\\-_]")
+
+# A token that can only be a host name: an IPv4 address, or a lowercase name
+# whose first label holds a digit or a dash (node1, gpu-03, ip-10-0-0-1).
+# Python exception names (ValueError, torch.distributed.DistBackendError) and
+# ordinary words never qualify, which keeps "RuntimeError: ..." from being
+# read as output of a host called RuntimeError.
+_HOSTTOKEN = r"(?:\d{1,3}(?:\.\d{1,3}){3}|[a-z][a-z0-9]*[0-9-][a-z0-9-]*(?:\.[a-z0-9-]+)*)"
+
+# (regex, what its groups mean).  Tried in order, repeatedly, at line start.
+_PREFIXES: tuple[re.Pattern[str], ...] = tuple(
+    re.compile(p)
+    for p in (
+        rf"^pdsh@[\w.-]+: (?P<host>[\w.-]+): ",  # pdsh's own messages about a host
+        r"^\[(?P<host>[\w.-]+)/r(?P<rank>\d+)\][:\s]\s?",  # corral: [node2/r3]
+        r"^(?P<host>[A-Za-z0-9][\w.-]*)/r(?P<rank>\d+)(?:\s*[|:]\s?|\s)",  # corral: node2/r3 |
+        r"^\[r(?P<rank>\d+)\][:\s]\s?",  # corral: [r3]
+        r"^\[(?P<host>[a-z0-9][\w.-]*)\] ",  # corral: [node2] (launcher output)
+        r"^\[rank(?P<rank>\d+)\]:\s?",  # torch: [rank3]:
+        r"^\[rank: (?P<rank>\d+)\]\s?",  # Lightning: [rank: 1]
+        r"^\[\d+,(?P<rank>\d+)\]<std(?:out|err)>:",  # mpirun --tag-output
+        r"^\[(?P<host>[\w.-]*[A-Za-z][\w.-]*):(?P<local>\d+)\]:",  # [host:localrank]:
+        r"^\[[A-Za-z_]+(?P<local>\d+)\]:\s?",  # torchrun --tee: [default0]:
+        r"^\(\w+ pid=\d+(?:, ip=[\d.]+)?\)\s*",  # Ray: (RayWorker pid=12)
+        r"^\d+: ",  # srun --label task number
+        rf"^(?P<host>{_HOSTTOKEN}): ",  # pdsh / clush: node1: ...
+    )
+)
+# NCCL's own line header names the host without being a removable prefix.
+_NCCL_HEADER = re.compile(r"^(?P<host>[\w.-]+):\d+:\d+ \[\d+\] ")
+_NOT_HOSTS = re.compile(
+    r"^(?:rank|step|epoch|iter|batch|loss)\d*$|^(?:info|warn|warning|error|debug|critical|notice)$"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogLine:
+    """One physical line (or one carriage-return segment of it), cleaned."""
+
+    number: int  # 1-based line number in the source
+    text: str  # message with ANSI and launcher prefixes removed: what rules match
+    shown: str  # the line as a human should see it (ANSI removed, prefixes kept)
+    host: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def parse(raw: str, number: int) -> list[LogLine]:
+    """Clean one raw line into the segments a rule should see."""
+    if len(raw) > MAX_LINE:
+        raw = raw[:MAX_LINE]
+    raw = strip_ansi(raw.rstrip("\n"))
+    segments = [s for s in raw.split("\r") if s.strip()] or [raw]
+    return [_parse_segment(seg, number) for seg in segments if seg.strip()]
+
+
+def _parse_segment(seg: str, number: int) -> LogLine:
+    text = seg.strip()
+    host = rank = local = None
+    for _ in range(4):  # prefixes stack: "[alphagpu12:5]:[rank5]:[E213 ...]"
+        for rx in _PREFIXES:
+            m = rx.match(text)
+            if not m:
+                continue
+            groups = m.groupdict()
+            candidate = groups.get("host")
+            if candidate and _NOT_HOSTS.match(candidate):
+                continue
+            host = host or candidate
+            if groups.get("rank") is not None and rank is None:
+                rank = int(groups["rank"])
+            if groups.get("local") is not None and local is None:
+                local = int(groups["local"])
+            text = text[m.end():].lstrip()
+            break
+        else:
+            break
+    if host is None:
+        m = _NCCL_HEADER.match(text)
+        if m and not _NOT_HOSTS.match(m.group("host")):
+            host = m.group("host")
+    return LogLine(number=number, text=text, shown=seg.rstrip(), host=host, rank=rank,
+                   local_rank=local)
+
+
+def iter_lines(stream: IO[str]) -> Iterator[LogLine]:
+    """Stream a text file as cleaned lines; memory stays bounded by ``MAX_LINE``."""
+    number = 0
+    while True:
+        raw = stream.readline(MAX_LINE * 4)
+        if not raw:
+            return
+        number += 1
+        if len(raw) == MAX_LINE * 4 and not raw.endswith("\n"):
+            # a runaway line: keep its head, skip the rest without storing it
+            while True:
+                more = stream.readline(MAX_LINE * 4)
+                if not more or more.endswith("\n"):
+                    break
+        yield from parse(raw, number)
+
+
+def iter_text(text: str) -> Iterator[LogLine]:
+    for number, raw in enumerate(text.split("\n"), start=1):
+        yield from parse(raw, number)

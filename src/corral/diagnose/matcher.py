@@ -1,0 +1,235 @@
+"""Match log lines against the rules and rank the likely causes.
+
+Confidence is a noisy-or of the weights of the distinct patterns that
+matched: two independent signs of the same failure are stronger evidence
+than one, but repeating one line a thousand times (every rank prints it) is
+still one sign.  A rule needs at least one non-weak pattern to be reported,
+all of its ``requires`` somewhere in the same log, and none of its
+``excludes``.
+
+:class:`Matcher` is fed line by line, so the same code serves a saved log,
+a run directory (one matcher per file) and a live run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Iterable, Mapping, Sequence
+
+from corral.diagnose.facts import AllFacts, refine_steps
+from corral.diagnose.logtext import LogLine, iter_text, parse
+from corral.diagnose.rules import Rule, load_rules
+
+#: Matched lines kept per pattern, and per diagnosis in total.
+_LINES_PER_PATTERN = 3
+_LINES_PER_DIAGNOSIS = 8
+_MAX_CONFIDENCE = 0.99
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatchedLine:
+    """A log line that matched one of a rule's patterns."""
+
+    line: int
+    text: str
+    origin: str | None = None
+    host: str | None = None
+    rank: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Diagnosis:
+    """A likely cause of a failure, with the evidence and the fix."""
+
+    rule_id: str
+    title: str
+    category: str
+    category_label: str
+    cause: str
+    #: Fix steps: host-specific refinements first, then the rule's generic steps.
+    fix: tuple[str, ...]
+    confidence: float
+    lines: tuple[MatchedLine, ...]
+    #: Where the evidence points; ``None`` when the log does not say.
+    host: str | None = None
+    rank: int | None = None
+    #: Every host / rank whose output matched (a run directory gathers several).
+    hosts: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+    origin: str | None = None
+    sources: tuple[str, ...] = ()
+    #: Values captured by the rule's named groups (interface name, port...).
+    captures: Mapping[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (``corral diagnose --json``)."""
+        data = asdict(self)
+        data["fix"] = list(self.fix)
+        data["lines"] = [asdict(m) for m in self.lines]
+        data["hosts"] = list(self.hosts)
+        data["ranks"] = list(self.ranks)
+        data["sources"] = list(self.sources)
+        data["captures"] = dict(self.captures)
+        return data
+
+
+class _RuleState:
+    """What one rule has seen so far in one log."""
+
+    __slots__ = ("hits", "lines", "values", "required", "excluded")
+
+    def __init__(self, rule: Rule) -> None:
+        self.hits = [0] * len(rule.patterns)
+        self.lines: list[list[LogLine]] = [[] for _ in rule.patterns]
+        self.values: list[dict[str, list[str]]] = [{} for _ in rule.patterns]
+        self.required = [False] * len(rule.requires)
+        self.excluded = False
+
+
+def _prefilter(rules: Sequence[Rule]) -> re.Pattern[str] | None:
+    """One regex that rejects, in C, the lines no rule can care about."""
+    sources = []
+    for rule in rules:
+        for rx in [p.regex for p in rule.patterns] + list(rule.requires) + list(rule.excludes):
+            src = re.sub(r"\(\?P<\w+>", "(?:", rx.pattern)
+            sources.append(f"(?:{src})")
+    try:
+        return re.compile("|".join(sources))
+    except re.error:  # e.g. a rule using a global inline flag: just check every rule
+        return None
+
+
+class Matcher:
+    """Accumulates rule matches over the lines of one log."""
+
+    def __init__(self, rules: Sequence[Rule] | None = None, *, origin: str | None = None,
+                 host: str | None = None, rank: int | None = None) -> None:
+        self.rules = list(load_rules() if rules is None else rules)
+        self.origin = origin
+        self.host = host
+        self.rank = rank
+        self._states = [_RuleState(r) for r in self.rules]
+        self._filter = _prefilter(self.rules)
+        self._count = 0
+
+    def feed(self, line: LogLine) -> None:
+        text = line.text
+        if self._filter is not None and not self._filter.search(text):
+            return
+        for rule, state in zip(self.rules, self._states):
+            for i, rx in enumerate(rule.requires):
+                if not state.required[i] and rx.search(text):
+                    state.required[i] = True
+            if not state.excluded and any(rx.search(text) for rx in rule.excludes):
+                state.excluded = True
+            for i, pattern in enumerate(rule.patterns):
+                m = pattern.regex.search(text)
+                if not m:
+                    continue
+                state.hits[i] += 1
+                if len(state.lines[i]) < _LINES_PER_PATTERN:
+                    state.lines[i].append(line)
+                for name, value in m.groupdict().items():
+                    if value is not None:
+                        seen = state.values[i].setdefault(name, [])
+                        if value not in seen and len(seen) < 16:
+                            seen.append(value)
+
+    def feed_text(self, raw: str, *, host: str | None = None, rank: int | None = None) -> None:
+        """Feed one raw output line as it arrives (live runs).
+
+        ``host``/``rank`` say where it came from when the line itself does not.
+        """
+        self._count += 1
+        for line in parse(raw, self._count):
+            if (host and not line.host) or (rank is not None and line.rank is None):
+                line = replace(line, host=line.host or host,
+                               rank=line.rank if line.rank is not None else rank)
+            self.feed(line)
+
+    def feed_all(self, lines: Iterable[LogLine]) -> "Matcher":
+        for line in lines:
+            self.feed(line)
+        return self
+
+    def diagnoses(self, facts: AllFacts | None = None) -> list[Diagnosis]:
+        """The rules that matched, most likely first."""
+        found = []
+        for order, (rule, state) in enumerate(zip(self.rules, self._states)):
+            diag = self._diagnose(rule, state, facts)
+            if diag is not None:
+                first = min(ln.number for ln_list in state.lines for ln in ln_list)
+                found.append((-diag.confidence, first, order, diag))
+        found.sort(key=lambda t: t[:3])
+        return [d for *_, d in found]
+
+    def _counted(self, rule: Rule, state: _RuleState) -> list[int]:
+        counted = []
+        for i, pattern in enumerate(rule.patterns):
+            if not state.hits[i]:
+                continue
+            if rule.distinct and rule.distinct in pattern.regex.groupindex:
+                if len(state.values[i].get(rule.distinct, [])) < 2:
+                    continue
+            counted.append(i)
+        return counted
+
+    def _diagnose(self, rule: Rule, state: _RuleState, facts: AllFacts | None) -> Diagnosis | None:
+        counted = self._counted(rule, state)
+        if not any(not rule.patterns[i].weak for i in counted):
+            return None
+        if state.excluded or not all(state.required):
+            return None
+        miss = 1.0
+        for i in counted:
+            miss *= 1.0 - rule.patterns[i].weight
+        confidence = round(min(_MAX_CONFIDENCE, 1.0 - miss), 2)
+        strong = [i for i in counted if not rule.patterns[i].weak]
+        # The lines that name the failure first, then context, shown in log order.
+        picked: dict[int, LogLine] = {}
+        for i in strong + [i for i in counted if rule.patterns[i].weak]:
+            for ln in state.lines[i]:
+                if len(picked) < _LINES_PER_DIAGNOSIS:
+                    picked.setdefault(id(ln), ln)
+        evidence = sorted(picked.values(), key=lambda ln: ln.number)
+        lead = min((state.lines[i][0] for i in strong), key=lambda ln: ln.number)
+        host = lead.host or self.host
+        rank = lead.rank if lead.rank is not None else self.rank
+        captures: dict[str, str] = {}
+        for i in counted:
+            for name, values in state.values[i].items():
+                captures.setdefault(name, values[0])
+        fix = refine_steps(rule.refine, captures=captures, host=host, rank=rank, facts=facts)
+        fix += [step for step in rule.fix if step not in fix]
+        lines = tuple(
+            MatchedLine(line=ln.number, text=ln.shown, origin=self.origin,
+                        host=ln.host or self.host, rank=ln.rank if ln.rank is not None else self.rank)
+            for ln in evidence
+        )
+        hosts = sorted({m.host for m in lines if m.host})
+        ranks = sorted({m.rank for m in lines if m.rank is not None})
+        return Diagnosis(
+            rule_id=rule.id, title=rule.title, category=rule.category,
+            category_label=rule.category_label, cause=rule.cause, fix=tuple(fix),
+            confidence=confidence, lines=lines, host=host, rank=rank, hosts=tuple(hosts),
+            ranks=tuple(ranks), origin=self.origin, sources=rule.sources, captures=captures,
+        )
+
+
+def diagnose_text(
+    text: str,
+    *,
+    origin: str | None = None,
+    facts: AllFacts | None = None,
+    rules: Sequence[Rule] | None = None,
+    host: str | None = None,
+    rank: int | None = None,
+) -> list[Diagnosis]:
+    """Likely causes of the failure ``text`` shows, most likely first.
+
+    ``host``/``rank`` attribute lines that do not name their own (a per-rank
+    log file); ``facts`` (doctor facts per host) make fix steps host-specific.
+    """
+    matcher = Matcher(rules, origin=origin, host=host, rank=rank)
+    return matcher.feed_all(iter_text(text)).diagnoses(facts)
