@@ -30,7 +30,7 @@ needs_root = pytest.mark.skipif(not ROOT, reason="needs root (network namespaces
 
 
 def _spec(**kw) -> SandboxSpec:
-    base = dict(name="unit", prefix="node", nodes=3, subnet="10.200.7.0/24")
+    base = {"name": "unit", "prefix": "node", "nodes": 3, "subnet": "10.200.7.0/24"}
     base.update(kw)
     return SandboxSpec(**base)
 
@@ -156,6 +156,35 @@ def test_cluster_file_reads_back_through_the_inventory(tmp_path: Path) -> None:
     assert files.hostfile(sp).splitlines()[1:] == [f"node{i} slots=3" for i in (1, 2, 3)]
 
 
+def test_cli_status_of_a_sandbox_that_is_not_up(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from corral.cli import cli
+
+    state = tmp_path / "none"
+    result = CliRunner().invoke(cli, ["sandbox", "status", "--json", "--name", "ghost", "--state-dir", str(state)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert (data["exists"], data["up"], data["nodes"]) == (False, False, [])
+    human = CliRunner().invoke(cli, ["sandbox", "status", "--name", "ghost", "--state-dir", str(state)])
+    assert "not up" in human.output and "corral sandbox up 4" in human.output
+    assert not state.exists()
+
+
+def test_cli_up_rejects_bad_flags_before_touching_anything(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from corral.cli import cli
+
+    state = tmp_path / "s"
+    result = CliRunner().invoke(cli, ["sandbox", "up", "2", "--rate", "100mbps", "--state-dir", str(state)])
+    assert result.exit_code == 2
+    assert "--rate '100mbps'" in result.output and "HINT:" in result.output
+    result = CliRunner().invoke(cli, ["sandbox", "up", "--name", "ghost", "--state-dir", str(state)])
+    assert result.exit_code == 2 and "corral sandbox up N" in result.output
+    assert not state.exists()
+
+
 def test_missing_capabilities_are_named() -> None:
     assert preflight.missing_capabilities(0) == ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]
     assert preflight.missing_capabilities(1 << 12 | 1 << 21) == []
@@ -277,6 +306,30 @@ def test_exec_passes_the_exit_code_through(sandbox: Sandbox) -> None:
     assert proc.stdout.split() == [sandbox.nodes[2], "/root"]
     with pytest.raises(SandboxError, match="no node"):
         sandbox.exec("no-such-node", ["true"])
+
+
+@pytest.mark.sandbox
+def test_exec_timeout_kills_the_command_inside_the_node(sandbox: Sandbox) -> None:
+    node = sandbox.nodes[2]
+    marker = f"{700 + uuid.uuid4().int % 1000}.{os.getpid()}"
+    with pytest.raises(subprocess.TimeoutExpired):
+        sandbox.exec(node, ["sleep", marker], timeout=1)
+    deadline = time.monotonic() + 5
+    while marker in sandbox.exec(node, ["ps", "-e", "-o", "args="]).stdout:
+        assert time.monotonic() < deadline, "the timed-out command still runs in the node"
+        time.sleep(0.1)
+
+
+@pytest.mark.sandbox
+def test_cli_exec_passes_exit_code_and_output(sandbox: Sandbox) -> None:
+    node = sandbox.nodes[0]
+    proc = subprocess.run(
+        [sys.executable, "-m", "corral", "sandbox", "exec", "--name", sandbox.name,
+         "--state-dir", str(sandbox.state_dir), node, "--", "sh", "-c", "hostname; exit 5"],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, check=False,
+    )
+    assert proc.returncode == 5, proc.stderr
+    assert proc.stdout.strip() == node
 
 
 @pytest.mark.sandbox

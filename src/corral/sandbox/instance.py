@@ -177,7 +177,7 @@ class Sandbox(NodeOps, TeardownOps):
                 if n is None:
                     raise UsageError(f"sandbox {self.name!r} is not up: `corral sandbox up N` creates one",
                                      hint=f"corral sandbox up 4 --with-keys{_name_flag(self.name)}")
-                self._teardown(quiet=True)  # leftovers of a crashed up without state
+                self._teardown(leftovers=True)  # leftovers of a crashed up without state
                 sp = request.resolve(self.name, None)
                 state = {"version": STATE_VERSION, "python": python, "private_home": private_home,
                          "created": time.time(), "rates": {}}

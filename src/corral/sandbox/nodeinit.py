@@ -58,7 +58,7 @@ class Shutdown(Exception):
 
 
 def say(message: str) -> None:
-    sys.stderr.write("%s nodeinit[%s]: %s\n" % (time.strftime("%H:%M:%S"), socket.gethostname(), message))
+    sys.stderr.write(f"{time.strftime('%H:%M:%S')} nodeinit[{socket.gethostname()}]: {message}\n")
     sys.stderr.flush()
 
 
@@ -72,7 +72,7 @@ def mount(source: str, target: str, fstype: str | None = None, flags: int = 0, d
     )
     if rc != 0:
         err = ctypes.get_errno()
-        raise OSError(err, "mount %s on %s: %s" % (source, target, os.strerror(err)))
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
 
 def bind(source: str, target: str) -> None:
@@ -95,7 +95,7 @@ def setup_mounts(args: argparse.Namespace) -> None:
     mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
     os.makedirs("/run/sshd", mode=0o755)
     os.makedirs(NODE_RUN, mode=0o700)
-    bind("/proc/self/fd/%d" % fd, NODE_RUN)
+    bind(f"/proc/self/fd/{fd}", NODE_RUN)
     os.close(fd)
     private = [
         ("ssh", os.path.join(args.home, ".ssh")),
@@ -142,7 +142,7 @@ def reap() -> None:
 def shutdown() -> None:
     """SIGTERM every process of the node, wait a little, then let the kernel finish."""
     victims = others()
-    say("stopping %d process(es)" % len(victims))
+    say(f"stopping {len(victims)} process(es)")
     for pid in victims:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -158,7 +158,7 @@ def shutdown() -> None:
 
 def _running(pid: int) -> bool:
     try:
-        with open("/proc/%d/stat" % pid) as fh:
+        with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(NODE_RUN, "init.json.tmp"), "w") as fh:
             json.dump({"pid": pid, "sshd_pid_in_node": sshd.pid, "hostname": args.hostname}, fh)
         os.rename(os.path.join(NODE_RUN, "init.json.tmp"), os.path.join(NODE_RUN, "init.json"))
-        say("up (pid %d on the head), sshd started" % pid)
+        say(f"up (pid {pid} on the head), sshd started")
         while True:
             try:
                 os.waitpid(-1, 0)
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         say("stopped")
         return 0
     except OSError as err:
-        say("failed: %s" % err)
+        say(f"failed: {err}")
         return 1
 
 

@@ -12,6 +12,9 @@ The faults are the ones multi-node jobs meet on real clusters:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -71,21 +74,24 @@ class NodeOps:
     ) -> subprocess.CompletedProcess:
         """Run ``argv`` inside ``node`` (all its namespaces, cwd ~root, a login-like
         environment), like ``ssh node argv`` but without ssh.  The exit code is the
-        command's own.  ``capture=False`` passes the caller's stdin/stdout/stderr through."""
+        command's own.
+
+        ``capture=False`` passes the caller's stdin/stdout/stderr through (the
+        CLI's interactive ``exec``).  With ``capture``, stdin is ``input`` or
+        empty, and on ``timeout`` the whole command (its process group, inside
+        the node too) is killed before ``subprocess.TimeoutExpired`` is raised.
+        """
         if not argv:
             raise SandboxError("exec needs a command", hint="corral sandbox exec node1 -- hostname")
+        preflight.check_privileges()
         pid = self.init_pid(node)
         nsenter = preflight.which("nsenter") or "nsenter"
         cmd = [nsenter, "-t", str(pid), "-n", "-m", "-u", "-i", "-p", "-w", "--", *argv]
-        proc = subprocess.run(
-            cmd,
-            check=False,
-            input=input,
-            capture_output=capture,
-            text=text,
-            timeout=timeout,
-            env=nodes_mod.node_env(env),
-        )
+        if not capture:
+            proc = subprocess.run(cmd, check=False, input=input, text=text, timeout=timeout,
+                                  env=nodes_mod.node_env(env))
+        else:
+            proc = _run_captured(cmd, input=input, text=text, timeout=timeout, env=nodes_mod.node_env(env))
         if check and proc.returncode != 0:
             err = proc.stderr.strip() if capture and isinstance(proc.stderr, str) else ""
             raise SandboxError(f"{node}: `{' '.join(argv)}` exited {proc.returncode}" + (f": {err}" if err else ""))
@@ -135,3 +141,21 @@ class NodeOps:
             state = self._load() or {}
             state.setdefault("rates", {})[node] = bps
             self._save(state)
+
+
+def _run_captured(
+    cmd: list[str], *, input: str | bytes | None, text: bool, timeout: float | None, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """``subprocess.run`` in a session of its own, so a timeout kills the command
+    inside the node as well as ``nsenter`` (which forks it into the PID namespace)."""
+    stdin = subprocess.PIPE if input is not None else subprocess.DEVNULL
+    with subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=text, env=env, start_new_session=True) as popen:
+        try:
+            out, err = popen.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            out, err = popen.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout or 0, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, popen.returncode, out, err)

@@ -49,7 +49,7 @@ class TeardownOps:
             removed["state_dir"] = None
         return removed
 
-    def _teardown(self: Sandbox, *, quiet: bool = False) -> dict:
+    def _teardown(self: Sandbox, *, leftovers: bool = False) -> dict:
         """Kill, then delete namespaces, links and the /etc/hosts block (state dir kept)."""
         prefix = specs.netns_prefix(self.name)
         spaces = [ns for ns in netns.netns_list() if ns.startswith(prefix)]
@@ -68,7 +68,7 @@ class TeardownOps:
             had_block = stripped != text
             if had_block:
                 write(stripped)
-        if (spaces or ours or had_block) and quiet:
+        if (spaces or ours or had_block) and leftovers:
             log.info("removed leftovers of sandbox %s: %s %s", self.name, spaces, ours)
         leftover = self._leftovers(prefix)
         if leftover:
