@@ -35,6 +35,7 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # ssh control sockets stay per test
     for key in list(os.environ):
         if key.startswith(_STRIP_PREFIXES) or key in _STRIP_NAMES:
             monkeypatch.delenv(key, raising=False)

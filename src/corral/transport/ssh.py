@@ -12,6 +12,7 @@ Host key checking is never turned off.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -26,7 +27,7 @@ SSH_ERROR = 255
 #: Keep the master connection this long after the last session ends (seconds).
 CONTROL_PERSIST_S = 60
 #: Sun socket paths are limited to ~108 bytes; ssh appends a random suffix.
-_MAX_CONTROL_DIR = 60
+_MAX_CONTROL_DIR = 36  # + "/8hex/" + 40 hex (%C) + ssh's ".XXXXXXXXXXXXXXXX" < 108
 
 
 def control_dir() -> Path:
@@ -84,6 +85,10 @@ class SSHTransport:
         if host.user is not None:
             argv += ["-l", host.user]
         argv += _options(host.ssh_options) + _options(self.cluster.ssh_options)
+        if host.address and host.address != host.name:
+            # The cluster file's address wins over DNS; the name still selects
+            # the user's ssh_config blocks.  (From `ssh -G` it is the same value.)
+            argv += ["-o", f"HostName={host.address}"]
         argv += [
             "-o", "BatchMode=yes",
             "-o", f"ConnectTimeout={int(max(1, self.connect_timeout))}",
@@ -92,7 +97,13 @@ class SSHTransport:
             "-o", "LogLevel=ERROR",
         ]
         if self.multiplex:
-            cdir = control_dir()
+            # One master per (host, user, port) *and* set of ssh options: a
+            # cluster file with another identity or known_hosts file must not
+            # ride on a connection that was authenticated under different rules.
+            digest = hashlib.sha1(repr((self.cluster.ssh_config, self.cluster.ssh_options,
+                                        host.ssh_options)).encode()).hexdigest()[:8]
+            cdir = control_dir() / digest
+            cdir.mkdir(mode=0o700, exist_ok=True)
             argv += [
                 "-o", "ControlMaster=auto",
                 "-o", f"ControlPath={cdir}/%C",

@@ -1,0 +1,285 @@
+"""`corral run` across the 4-node sandbox: real sshd, real torchrun, gloo.
+
+Every failure case is checked the way an operator would: by listing the
+processes on every node afterwards.  (The scripts live in the shared
+repository path, which the sandbox nodes see like an NFS home; /srv, /tmp and
+~/.ssh are node-private.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+
+REPO = Path(__file__).resolve().parents[1]
+CORRAL = [sys.executable, "-m", "corral"]
+
+
+@pytest.fixture
+def workdir(sandbox) -> Path:
+    """A scratch directory under the repository (shared by the nodes like NFS)."""
+    path = REPO / "scratch" / f"mn-{os.getpid()}-{time.monotonic_ns()}"
+    path.mkdir(parents=True)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write(path: Path, body: str) -> Path:
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def corral(sandbox, args: list[str], cwd: Path, timeout: float = 240, cluster: Path | None = None):
+    cmd = CORRAL + ["run", "-c", str(cluster or sandbox.cluster_file), *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def start(sandbox, args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(CORRAL + ["run", "-c", str(sandbox.cluster_file), *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def leftovers(sandbox, node: str) -> list[str]:
+    """Processes on a node other than its init, sshd and the ps itself."""
+    out = sandbox.exec(node, ["ps", "-eo", "pid=,args="]).stdout
+    rest = []
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if pid == "1" or args.startswith(("sshd", "/usr/sbin/sshd", "ps ")):
+            continue
+        rest.append(line.strip())
+    return rest
+
+
+def assert_clean(sandbox, within: float, nodes: list[str] | None = None) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        left = {n: leftovers(sandbox, n) for n in (nodes or sandbox.nodes)}
+        left = {n: p for n, p in left.items() if p}
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"processes of the run left on {left}")
+        time.sleep(0.5)
+
+
+def wait_for_lines(proc: subprocess.Popen, pattern: str, count: int, timeout: float = 120) -> list[str]:
+    """Read stdout until ``count`` lines match (the ranks are in user code)."""
+    import threading
+
+    lines: list[str] = getattr(proc, "_lines", None) or []
+    if not hasattr(proc, "_lines"):
+        proc._lines = lines  # type: ignore[attr-defined]
+
+        def pump() -> None:
+            for line in proc.stdout:
+                lines.append(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = [ln for ln in list(lines) if re.search(pattern, ln)]
+        if len(seen) >= count:
+            return seen
+        assert time.monotonic() < deadline, f"only {seen} after {timeout}s"
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+
+
+LOOP = """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    print("ready", dist.get_rank(), flush=True)
+    for _ in range(100000):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        time.sleep(0.2)
+"""
+
+
+# ---------------------------------------------------------------------------
+# training runs
+
+
+def test_train_ddp_on_all_eight_ranks(sandbox) -> None:
+    res = corral(sandbox, ["examples/train_ddp.py", "--epochs", "2"], REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first, last = map(float, re.search(r"first loss ([\d.]+) \| final loss ([\d.]+)", res.stdout).groups())
+    assert last < first * 0.7, (first, last)
+    hosts = set(re.findall(r"^\[(\w+)/r(\d)\]", res.stdout, re.M))
+    assert {h for h, _ in hosts} == set(sandbox.nodes)
+    assert "8 ranks on 4 node(s)" in res.stderr
+    assert_clean(sandbox, within=5)
+
+
+LAUNCHERS = {
+    "torchrun": ["examples/launchers/torchrun_ddp.py"],
+    "accelerate": ["examples/launchers/accelerate_train.py"],
+    "deepspeed": ["examples/launchers/deepspeed_train.py", "--deepspeed",
+                  "--deepspeed_config", "examples/launchers/ds_config_zero2.json"],
+    "lightning": ["examples/launchers/lightning_train.py", "--devices", "2", "--num-nodes", "4"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_each_launchers_own_script_runs_unchanged(sandbox, launcher: str) -> None:
+    res = corral(sandbox, ["--launcher", launcher, *LAUNCHERS[launcher]], REPO, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = re.search(r"first loss ([\d.]+) \| final loss ([\d.]+)", res.stdout)
+    assert m, res.stdout[-2000:]
+    assert float(m.group(2)) < float(m.group(1))
+    assert "8 ranks on 4 node(s)" in res.stderr
+    assert_clean(sandbox, within=5)
+
+
+# ---------------------------------------------------------------------------
+# failures
+
+
+def test_rank_crash_stops_every_node(sandbox, workdir: Path) -> None:
+    write(workdir / "crash.py", """
+        import os, time
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        for step in range(1000):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            if dist.get_rank() == 5 and step == 3:
+                raise RuntimeError("corrupt batch at step 3")
+            time.sleep(0.1)
+    """)
+    res = corral(sandbox, ["crash.py"], workdir)
+    assert res.returncode == 1, res.stderr[-3000:]
+    node3 = sandbox.nodes[2]
+    assert f"rank 5 on {node3} failed: RuntimeError: corrupt batch at step 3" in res.stderr
+    assert "(first failure)" in res.stderr and 'line 9, in <module>' in res.stderr
+    assert_clean(sandbox, within=5)
+
+
+def test_partitioned_node_is_named_within_15s(sandbox, workdir: Path) -> None:
+    write(workdir / "loop.py", LOOP)
+    victim = sandbox.nodes[2]
+    proc = start(sandbox, ["loop.py"], workdir)
+    try:
+        wait_for_lines(proc, r"\] ready \d", 8)
+        sandbox.partition(victim)
+        t0 = time.monotonic()
+        proc.wait(timeout=60)
+        err = proc.stderr.read()
+        elapsed = time.monotonic() - t0
+        assert proc.returncode == 3, err[-3000:]
+        assert f"{victim} was lost" in err
+        assert elapsed < 15 + 3, f"declared lost and torn down after {elapsed:.1f}s"
+        others = [n for n in sandbox.nodes if n != victim]
+        assert_clean(sandbox, within=5, nodes=others)
+        # The partitioned node cleans up by itself: its agent hears no head.
+        assert_clean(sandbox, within=15, nodes=[victim])
+    finally:
+        sandbox.heal(victim)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ctrl_c_leaves_nothing_on_any_node(sandbox, workdir: Path) -> None:
+    write(workdir / "loop.py", LOOP)
+    proc = start(sandbox, ["loop.py"], workdir)
+    try:
+        wait_for_lines(proc, r"\] ready \d", 8)
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        assert_clean(sandbox, within=10)
+        assert time.monotonic() - t0 < 10
+        proc.wait(timeout=15)
+        assert proc.returncode == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_head_sigkill_every_node_cleans_up(sandbox, workdir: Path) -> None:
+    write(workdir / "loop.py", LOOP)
+    proc = start(sandbox, ["loop.py"], workdir)
+    try:
+        wait_for_lines(proc, r"\] ready \d", 8)
+        proc.kill()  # SIGKILL: no teardown from the head at all
+        proc.wait()
+        assert_clean(sandbox, within=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# ---------------------------------------------------------------------------
+# preflight: nothing starts anywhere
+
+
+def _cluster_with(sandbox, tmp_path: Path, extra: str = "", options: list[str] | None = None) -> Path:
+    text = sandbox.cluster_file.read_text()
+    if options is not None:
+        text = re.sub(r"ssh_options = \[.*\]", "ssh_options = " + repr(options).replace("'", '"'), text)
+    path = tmp_path / "corral.toml"
+    path.write_text(text + extra)
+    return path
+
+
+def test_unreachable_host_is_named(sandbox, tmp_path: Path) -> None:
+    ghost = sandbox.addresses[sandbox.nodes[0]].rsplit(".", 1)[0] + ".250"
+    cluster = _cluster_with(sandbox, tmp_path, f'\n[[hosts]]\nname = "ghost"\naddress = "{ghost}"\n')
+    t0 = time.monotonic()
+    res = corral(sandbox, ["examples/train_ddp.py"], REPO, cluster=cluster, timeout=60)
+    assert res.returncode == 3
+    assert re.search(r"ghost: (unreachable|connection refused)", res.stderr), res.stderr
+    assert "Traceback" not in res.stderr
+    assert time.monotonic() - t0 < 30
+    assert_clean(sandbox, within=5)
+
+
+def test_changed_host_key_is_refused(sandbox, tmp_path: Path) -> None:
+    victim = sandbox.nodes[1]
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "fake")], check=True)
+    fake = (tmp_path / "fake.pub").read_text().split()[:2]
+    lines = []
+    for line in sandbox.known_hosts.read_text().splitlines():
+        names = line.split()[0].split(",")
+        if victim in names or sandbox.addresses[victim] in names:
+            line = f"{line.split()[0]} {fake[0]} {fake[1]}"
+        lines.append(line)
+    known = tmp_path / "known_hosts"
+    known.write_text("\n".join(lines) + "\n")
+    options = [f"UserKnownHostsFile={known}", f"IdentityFile={sandbox.identity_file}", "IdentitiesOnly=yes"]
+    cluster = _cluster_with(sandbox, tmp_path, options=options)
+    res = corral(sandbox, ["examples/train_ddp.py"], REPO, cluster=cluster, timeout=60)
+    assert res.returncode == 3
+    assert f"{victim}: its host key has CHANGED" in res.stderr, res.stderr
+    assert "ssh-keygen -R" in res.stderr
+    assert_clean(sandbox, within=5)
+
+
+def test_missing_workdir_on_one_node(sandbox, workdir: Path) -> None:
+    proj = f"/srv/proj-{os.getpid()}"
+    for node in sandbox.nodes[:3]:
+        sandbox.exec(node, ["mkdir", "-p", proj])
+        sandbox.exec(node, ["cp", str(REPO / "examples/train_ddp.py"), proj])
+    try:
+        res = corral(sandbox, ["--workdir", proj, "train_ddp.py"], workdir, timeout=60)
+        assert res.returncode == 3
+        last = sandbox.nodes[3]
+        assert f"{last}: working directory {proj} does not exist" in res.stderr
+        assert not any(f"{n}: working" in res.stderr for n in sandbox.nodes[:3])
+    finally:
+        for node in sandbox.nodes[:3]:
+            sandbox.exec(node, ["rm", "-rf", proj])
+    assert_clean(sandbox, within=5)
