@@ -1,11 +1,141 @@
-"""`corral diagnose` (not implemented yet in this version)."""
+"""`corral diagnose`: explain a failed run's log, ranked likely causes and fixes."""
+
+from __future__ import annotations
+
+import json
+import sys
 
 import click
+from rich.markup import escape
 
-from corral.errors import NotImplementedYet
+from corral import ui
+from corral.diagnose import Diagnosis, RunReport, diagnose_run, diagnose_text, load_facts, load_rules
+
+#: Causes shown without --all.
+_DEFAULT_SHOWN = 3
+_SHOWN_LINE = 160
+
+_NOTHING = (
+    "no known failure signature matched; the error may be in another file (read the log of "
+    "the first rank that failed), or this failure is not in corral's knowledge base yet. "
+    "Rerun with NCCL_DEBUG=WARN and TORCH_DISTRIBUTED_DEBUG=DETAIL for more telling errors."
+)
 
 
-@click.command(name="diagnose", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def diagnose() -> None:
-    """Not implemented yet in this version of corral."""
-    raise NotImplementedYet("`corral diagnose` is not implemented yet in this version of corral.")
+@click.command(name="diagnose")
+@click.argument("target", metavar="LOGFILE|RUN_DIR|-")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON (every match, with lines, fix steps and confidence) instead of the report.")
+@click.option("--all", "show_all", is_flag=True,
+              help=f"Show every cause that matched, not only the {_DEFAULT_SHOWN} most likely.")
+@click.option("--facts", "facts_file", type=click.Path(dir_okay=False), default=None,
+              help="Doctor facts per host (JSON) that make fixes host-specific. "
+                   "A run directory's facts.json is used without this flag.")
+@click.option("--rules", "rules_files", type=click.Path(dir_okay=False), multiple=True,
+              help="An extra rules file (same format as corral's rules.toml). Repeatable.")
+def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
+             rules_files: tuple[str, ...]) -> None:
+    """Explain why a run failed: likely causes, the lines that show them, and the fix.
+
+    LOGFILE is any log (torchrun, accelerate, DeepSpeed, Lightning, pdsh, a paste
+    from a colleague); RUN_DIR is a run directory written by `corral run`
+    (runs/<run-id>), where matches are attributed to hosts and ranks and the
+    first failing rank comes first; `-` reads standard input.
+
+    \b
+    Examples:
+      corral diagnose runs/20260101-120000-ab12
+      corral diagnose slurm-4242.out --all
+      pbpaste | corral diagnose - --json
+
+    Exit status: 0 when a cause was found, 1 when nothing matched, 2 on bad input.
+    """
+    rules = load_rules(rules_files)
+    facts = load_facts(facts_file) if facts_file else None
+    if target == "-":
+        diags = diagnose_text(sys.stdin.read(), origin="<stdin>", facts=facts, rules=rules)
+        report = RunReport(path="<stdin>", kind="file", files=("<stdin>",), failure=None,
+                           facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags))
+    else:
+        report = diagnose_run(target, facts=facts, rules=rules)
+    if as_json:
+        click.echo(json.dumps(_as_json(report), indent=2))
+    else:
+        _print_report(report, show_all=show_all)
+    if not report.diagnoses:
+        sys.exit(1)
+
+
+def _as_json(report: RunReport) -> dict:
+    failure = report.failure
+    return {
+        "path": report.path,
+        "kind": report.kind,
+        "files": list(report.files),
+        "failure": None if failure is None else {
+            "host": failure.host, "rank": failure.rank,
+            "exit_code": failure.exit_code, "signal": failure.signal,
+        },
+        "facts_hosts": list(report.facts_hosts),
+        "matched": bool(report.diagnoses),
+        "diagnoses": [d.to_dict() for d in report.diagnoses],
+    }
+
+
+def _where(d: Diagnosis) -> str:
+    parts = []
+    if d.host:
+        parts.append(d.host)
+    if d.rank is not None:
+        parts.append(f"rank {d.rank}")
+    where = " ".join(parts)
+    others = [h for h in d.hosts if h != d.host]
+    if others:
+        where += f" (also seen on {', '.join(others[:6])}{' ...' if len(others) > 6 else ''})"
+    elif len(d.ranks) > 1:
+        where += f" (ranks {', '.join(str(r) for r in d.ranks[:12])})"
+    return where.strip()
+
+
+def _print_report(report: RunReport, *, show_all: bool) -> None:
+    con = ui.console()
+    head = f"[bold]corral diagnose[/] {escape(report.path)}"
+    if report.kind != "file":
+        head += f" [dim]({len(report.files)} log file(s)"
+        if report.failure and report.failure.host:
+            f = report.failure
+            rank = f" rank {f.rank}" if f.rank is not None else ""
+            code = f", exit {f.exit_code}" if f.exit_code is not None else ""
+            head += escape(f"; first failure: {f.host}{rank}{code}")
+        head += ")[/]"
+    con.print(head)
+    if report.facts_hosts:
+        con.print(f"[dim]using doctor facts for {escape(', '.join(report.facts_hosts))}[/]")
+    if not report.diagnoses:
+        con.print(f"\n[yellow]{escape(_NOTHING)}[/]")
+        return
+    shown = report.diagnoses if show_all else report.diagnoses[:_DEFAULT_SHOWN]
+    for n, d in enumerate(shown, start=1):
+        _print_one(con, n, d, multi_file=report.kind != "file")
+    hidden = len(report.diagnoses) - len(shown)
+    if hidden:
+        con.print(f"\n[dim]{hidden} less likely cause(s) not shown: rerun with --all.[/]")
+
+
+def _print_one(con, n: int, d: Diagnosis, *, multi_file: bool) -> None:
+    label = "Likely cause" if n == 1 else "Also possible"
+    con.print(f"\n[bold]{n}. {label}: {escape(d.title)}[/]")
+    meta = f"{d.category_label} · confidence {d.confidence:.2f} · rule {d.rule_id}"
+    where = _where(d)
+    if where:
+        meta += f" · {where}"
+    con.print(f"   [dim]{escape(meta)}[/]")
+    con.print("   [cyan]matched:[/]")
+    for m in d.lines:
+        loc = f"{m.origin}:{m.line}" if multi_file and m.origin else f"line {m.line}"
+        text = m.text if len(m.text) <= _SHOWN_LINE else m.text[:_SHOWN_LINE] + " ..."
+        con.print(f"     [dim]{escape(loc)}[/]  {escape(text)}")
+    con.print(f"   [cyan]cause:[/] {escape(d.cause)}")
+    con.print("   [cyan]fix:[/]")
+    for i, step in enumerate(d.fix, start=1):
+        con.print(f"     {i}. {escape(step)}")

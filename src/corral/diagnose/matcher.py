@@ -62,6 +62,11 @@ class Diagnosis:
     #: Values captured by the rule's named groups (interface name, port...).
     captures: Mapping[str, str] = field(default_factory=dict)
 
+    @property
+    def id(self) -> str:
+        """Alias of ``rule_id`` (what run summaries record)."""
+        return self.rule_id
+
     def to_dict(self) -> dict:
         """A JSON-ready dict (``corral diagnose --json``)."""
         data = asdict(self)
@@ -143,9 +148,9 @@ class Matcher:
         """
         self._count += 1
         for line in parse(raw, self._count):
-            if (host and not line.host) or (rank is not None and line.rank is None):
-                line = replace(line, host=line.host or host,
-                               rank=line.rank if line.rank is not None else rank)
+            if host or rank is not None:
+                line = replace(line, host=host or line.host,
+                               rank=rank if rank is not None else line.rank)
             self.feed(line)
 
     def feed_all(self, lines: Iterable[LogLine]) -> "Matcher":
@@ -163,6 +168,16 @@ class Matcher:
                 found.append((-diag.confidence, first, order, diag))
         found.sort(key=lambda t: t[:3])
         return [d for *_, d in found]
+
+    def _where(self, line: LogLine) -> tuple[str | None, int | None]:
+        """Host and rank of a line: a per-rank log's own path wins over line prefixes.
+
+        In a launcher's log (no rank) a prefix names the real source (pdsh's
+        ``node3: ...``); in ``node2/rank3.log`` everything is node2's rank 3.
+        """
+        if self.rank is not None:
+            return self.host or line.host, self.rank
+        return line.host or self.host, line.rank
 
     def _counted(self, rule: Rule, state: _RuleState) -> list[int]:
         counted = []
@@ -194,8 +209,7 @@ class Matcher:
                     picked.setdefault(id(ln), ln)
         evidence = sorted(picked.values(), key=lambda ln: ln.number)
         lead = min((state.lines[i][0] for i in strong), key=lambda ln: ln.number)
-        host = lead.host or self.host
-        rank = lead.rank if lead.rank is not None else self.rank
+        host, rank = self._where(lead)
         captures: dict[str, str] = {}
         for i in counted:
             for name, values in state.values[i].items():
@@ -204,7 +218,7 @@ class Matcher:
         fix += [step for step in rule.fix if step not in fix]
         lines = tuple(
             MatchedLine(line=ln.number, text=ln.shown, origin=self.origin,
-                        host=ln.host or self.host, rank=ln.rank if ln.rank is not None else self.rank)
+                        host=self._where(ln)[0], rank=self._where(ln)[1])
             for ln in evidence
         )
         hosts = sorted({m.host for m in lines if m.host})

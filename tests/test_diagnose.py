@@ -1,0 +1,377 @@
+"""Tests for corral.diagnose and `corral diagnose`.
+
+Every rule is checked against the real error text it was written for
+(tests/fixtures/diagnose/, each file's origin in the rule's ``source``), and
+unrelated logs (a clean run, a user's KeyError, NCCL INFO chatter) against
+false alarms.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from corral.cli import cli
+from corral.diagnose import (
+    CATEGORIES,
+    Matcher,
+    RulesError,
+    diagnose_path,
+    diagnose_run,
+    diagnose_text,
+    load_rules,
+)
+from corral.diagnose.logtext import iter_text, parse
+
+FIXTURES = Path(__file__).parent / "fixtures" / "diagnose"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "diagnose.md"
+RULES = load_rules()
+CASES = [(r.id, f) for r in RULES for f in r.fixtures]
+
+
+def fixture(name: str) -> str:
+    return (FIXTURES / name).read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------- knowledge base
+
+
+def test_knowledge_base_is_large_and_covers_every_category():
+    assert len(RULES) >= 30
+    assert {r.category for r in RULES} == set(CATEGORIES)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.id for r in RULES])
+def test_every_rule_has_a_real_fixture_and_a_source(rule):
+    assert rule.fixtures, f"{rule.id} has no fixture"
+    assert rule.sources, f"{rule.id} does not say where its error text comes from"
+    for name in rule.fixtures:
+        assert (FIXTURES / name).is_file(), f"{rule.id}: missing fixture {name}"
+    for src in rule.sources:
+        assert src.startswith(("https://github.com/", "reproduced: ")), src
+
+
+@pytest.mark.parametrize(("rule_id", "name"), CASES, ids=[f for _, f in CASES])
+def test_fixture_is_diagnosed_with_its_rule_first(rule_id, name):
+    diags = diagnose_path(FIXTURES / name)
+    assert diags, f"{name}: nothing matched"
+    assert diags[0].rule_id == rule_id, [(d.rule_id, d.confidence) for d in diags]
+    assert diags[0].lines and diags[0].fix
+    assert 0 < diags[0].confidence < 1
+
+
+def test_every_fixture_file_belongs_to_a_rule_or_is_negative():
+    used = {f for r in RULES for f in r.fixtures}
+    for path in FIXTURES.glob("*.log"):
+        assert path.name in used or path.name.startswith("negative-"), path.name
+
+
+@pytest.mark.parametrize("name", ["negative-clean-run.log", "negative-user-keyerror.log"])
+def test_unrelated_logs_are_not_diagnosed(name):
+    assert diagnose_path(FIXTURES / name) == []
+
+
+def test_nccl_info_chatter_is_not_an_nccl_problem():
+    diags = diagnose_path(FIXTURES / "negative-nccl-info.log")
+    assert [d for d in diags if d.category == "network"] == []
+
+
+def test_same_op_everywhere_is_a_timeout_not_a_collective_mismatch():
+    ids = [d.rule_id for d in diagnose_path(FIXTURES / "collective-timeout.log")]
+    assert ids == ["collective-timeout"]
+    assert "collective-mismatch" in [d.rule_id for d in diagnose_path(FIXTURES / "collective-mismatch.log")]
+
+
+def test_docs_list_every_rule():
+    text = DOCS.read_text(encoding="utf-8")
+    missing = [r.id for r in RULES if f"`{r.id}`" not in text]
+    assert not missing, f"docs/diagnose.md does not list: {missing}"
+
+
+# ------------------------------------------------------------------ validation
+
+_GOOD = """
+[[rule]]
+id = "my-rule"
+title = "t"
+category = "network"
+patterns = ['boom']
+cause = "c"
+fix = ["f"]
+"""
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s.replace('fix = ["f"]', 'fix = ["f"]\ncolour = "red"'), "unknown key(s): colour"),
+        (lambda s: s.replace("['boom']", "['(unclosed']"), "does not compile"),
+        (lambda s: s.replace('cause = "c"\n', ""), "missing required key 'cause'"),
+        (lambda s: s.replace('"network"', '"plumbing"'), "unknown category 'plumbing'"),
+        (lambda s: s + '[[rule.refine]]\nwhen = "moon_phase"\nfix = "x"\n', "unknown predicate"),
+        (lambda s: s + '[[rule.refine]]\nfix = "use {nothing}"\n', "'{nothing}'"),
+        (lambda s: s + _GOOD, "defined twice"),
+        (lambda s: s.replace('fix = ["f"]', 'fix = ["f"]\ndistinct = "op"'), "no pattern captures"),
+        (lambda s: s.replace("['boom']", "[]"), "at least one regex"),
+    ],
+)
+def test_bad_rules_are_rejected_naming_the_entry(tmp_path, edit, message):
+    path = tmp_path / "rules.toml"
+    path.write_text(edit(_GOOD))
+    with pytest.raises(RulesError) as info:
+        load_rules([path])
+    assert message in info.value.message
+    assert "my-rule" in info.value.message or "rule #" in info.value.message
+    assert str(path) in info.value.message
+
+
+def test_extra_rules_file_adds_a_rule(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text(_GOOD.replace("'boom'", "'flux capacitor overheated'"))
+    rules = load_rules([path])
+    assert rules[-1].id == "my-rule"
+    diags = diagnose_text("x\nERROR flux capacitor overheated\n", rules=rules)
+    assert [d.rule_id for d in diags] == ["my-rule"]
+
+
+# ------------------------------------------------------------------ log lines
+
+
+@pytest.mark.parametrize(
+    ("raw", "host", "rank", "text"),
+    [
+        ("[rank3]: RuntimeError: x", None, 3, "RuntimeError: x"),
+        ("[node2/r3] hello", "node2", 3, "hello"),
+        ("node2/r3 | hello", "node2", 3, "hello"),
+        ("[r5] hello", None, 5, "hello"),
+        ("[node2] torchrun says", "node2", None, "torchrun says"),
+        ("node7: ssh: Could not resolve hostname", "node7", None, "ssh: Could not resolve hostname"),
+        ("pdsh@head: gpu-03: ssh exited with exit code 255", "gpu-03", None,
+         "ssh exited with exit code 255"),
+        ("[1,2]<stdout>:x", None, 2, "x"),
+        ("[alphagpu12:5]:[rank5]:[E213] boom", "alphagpu12", 5, "[E213] boom"),
+        ("10: torch.distributed.DistBackendError: NCCL", None, None,
+         "torch.distributed.DistBackendError: NCCL"),
+        ("(RayWorkerVllm pid=7602) ERROR x", None, None, "ERROR x"),
+        ("RuntimeError: CUDA error", None, None, "RuntimeError: CUDA error"),
+        ("torch.distributed.DistBackendError: NCCL error", None, None,
+         "torch.distributed.DistBackendError: NCCL error"),
+        ("kolyoz2:25146:25854 [0] NCCL WARN NET/IB", "kolyoz2", None,
+         "kolyoz2:25146:25854 [0] NCCL WARN NET/IB"),
+        ("\x1b[31m[rank1]:\x1b[0m boom", None, 1, "boom"),
+    ],
+)
+def test_launcher_prefixes_are_stripped_and_attributed(raw, host, rank, text):
+    (line,) = parse(raw, 1)
+    assert (line.host, line.rank, line.text) == (host, rank, text)
+
+
+def test_carriage_return_segments_are_separate_lines():
+    lines = parse("train: 10%|#   | 1/10\rtrain: 20%|##  | 2/10\rRuntimeError: boom", 7)
+    assert [ln.text for ln in lines][-1] == "RuntimeError: boom"
+    assert {ln.number for ln in lines} == {7}
+
+
+def test_huge_log_streams_with_bounded_lines(tmp_path):
+    path = tmp_path / "big.log"
+    with path.open("w") as f:
+        for i in range(60_000):
+            f.write(f"step {i} loss 0.{i % 97:02d}\n")
+        f.write("x" * 2_000_000 + "\n")  # one runaway line (a progress bar without newlines)
+        f.write(fixture("nccl-system-error.log"))
+    diags = diagnose_path(path)
+    assert diags[0].rule_id == "nccl-system-error"
+    assert diags[0].lines[0].line > 60_000
+    assert all(len(m.text) <= 8192 for m in diags[0].lines)
+
+
+def test_live_feed_attributes_lines_to_their_host_and_rank():
+    m = Matcher()
+    m.feed_text("starting", host="node3", rank=5)
+    for raw in fixture("gloo-socket-ifname-missing.log").splitlines():
+        m.feed_text(raw, host="node3", rank=5)
+    top = m.diagnoses()[0]
+    assert (top.rule_id, top.host, top.rank) == ("gloo-socket-ifname-missing", "node3", 5)
+    assert "node3" in top.fix[0] and "nosuch" in top.fix[0]
+
+
+# ------------------------------------------------------------------ facts
+
+
+def _facts(host: str, *, ib: list, env: dict | None = None) -> dict:
+    return {
+        "host": host,
+        "interfaces": [
+            {"name": "lo", "addresses": ["127.0.0.1/8"], "state": "unknown", "kind": "loopback"},
+            {"name": "docker0", "addresses": ["172.17.0.1/16"], "state": "up", "kind": "docker"},
+            {"name": "eth0", "addresses": ["10.0.0.3/24"], "state": "up", "kind": "ethernet"},
+        ],
+        "infiniband": ib,
+        "env": env or {},
+        "packages": {"torch": "2.4.0"},
+    }
+
+
+_IB = [{"device": "mlx5_0", "port": 1, "state": "ACTIVE", "rate": "200 Gb/sec (4X HDR)",
+        "link_layer": "InfiniBand"}]
+
+
+def test_nccl_system_error_on_a_node_without_infiniband_names_that_node():
+    facts = {"node1": _facts("node1", ib=_IB), "node2": _facts("node2", ib=[])}
+    top = diagnose_text(fixture("nccl-system-error.log"), facts=facts)[0]
+    assert top.rule_id == "nccl-system-error"
+    assert "node2" in top.fix[0] and "NCCL_IB_DISABLE=1" in top.fix[0]
+    assert not any("node1" in step for step in top.fix)
+
+
+def test_unknown_infiniband_is_not_evidence():
+    facts = {"node2": {**_facts("node2", ib=[]), "infiniband": None}}
+    top = diagnose_text(fixture("nccl-system-error.log"), facts=facts, host="node2")[0]
+    assert not any("node2 has no InfiniBand" in step for step in top.fix)
+
+
+def test_wrong_nccl_socket_ifname_lists_the_interfaces_the_node_has():
+    facts = {"node2": _facts("node2", ib=_IB, env={"NCCL_SOCKET_IFNAME": "ens5"})}
+    top = diagnose_text(fixture("nccl-system-error.log"), facts=facts, host="node2")[0]
+    step = next(s for s in top.fix if "NCCL_SOCKET_IFNAME=ens5" in s)
+    assert "eth0 (10.0.0.3/24, up)" in step and "NCCL_SOCKET_IFNAME=eth0 for node2" in step
+
+
+def test_versions_differ_across_nodes_are_listed():
+    facts = {"node1": _facts("node1", ib=[]), "node2": _facts("node2", ib=[])}
+    facts["node2"]["packages"] = {"torch": "2.3.1"}
+    top = diagnose_text(fixture("nccl-version-mismatch.log"), facts=facts)[0]
+    assert any("torch: node1 2.4.0, node2 2.3.1" in s for s in top.fix)
+
+
+# ------------------------------------------------------------------ run directories
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    run = tmp_path / "runs" / "20260101-000000-abcd"
+    (run / "node1").mkdir(parents=True)
+    (run / "node2").mkdir()
+    (run / "run.json").write_text(json.dumps({
+        "run_id": run.name, "status": "failed", "exit_code": 1, "hosts": [],
+        "failure": {"host": "node2", "rank": 3, "exit_code": 1, "signal": None},
+    }))
+    (run / "node1" / "rank0.log").write_text(fixture("peer-process-exited.log"))
+    (run / "node1" / "rank1.log").write_text(fixture("negative-clean-run.log"))
+    (run / "node2" / "rank2.log").write_text(fixture("gloo-socket-ifname-missing.log"))
+    (run / "node2" / "rank3.log").write_text(fixture("gloo-socket-ifname-missing.log"))
+    (run / "node2" / "launcher.log").write_text("W1123 Sending process 5046 closing signal SIGTERM\n")
+    facts = {"node2": _facts("node2", ib=[], env={"GLOO_SOCKET_IFNAME": "nosuch"})}
+    (run / "facts.json").write_text(json.dumps(facts))
+    return run
+
+
+def test_run_dir_attributes_causes_to_host_and_rank(tmp_path):
+    report = diagnose_run(_run_dir(tmp_path))
+    assert report.kind == "run" and report.failure.host == "node2" and report.failure.rank == 3
+    first, *rest = report.diagnoses
+    assert (first.rule_id, first.host, first.rank) == ("gloo-socket-ifname-missing", "node2", 3)
+    assert first.ranks == (2, 3)
+    assert first.lines[0].origin == "node2/rank3.log"
+    # facts.json makes the fix exact: the node, its interfaces, the one to use
+    assert "On node2, GLOO_SOCKET_IFNAME=nosuch" in first.fix[0]
+    assert "GLOO_SOCKET_IFNAME=eth0 for node2" in first.fix[0]
+    echo = next(d for d in rest if d.rule_id == "peer-process-exited")
+    assert echo.host == "node1" and echo.rank == 0
+
+
+def test_first_failing_rank_comes_first_even_with_lower_confidence(tmp_path):
+    run = _run_dir(tmp_path)
+    shutil.rmtree(run / "node2")
+    (run / "node2").mkdir()
+    (run / "node2" / "rank3.log").write_text(fixture("host-oom-killed.log"))  # 0.7
+    (run / "node1" / "rank1.log").write_text(fixture("collective-timeout.log"))
+    ids = [d.rule_id for d in diagnose_path(run)]
+    assert ids[0] == "host-oom-killed"
+
+
+def test_missing_path_is_a_usage_error(tmp_path):
+    from corral.errors import UsageError
+
+    with pytest.raises(UsageError, match="no such file"):
+        diagnose_path(tmp_path / "nope.log")
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def _invoke(*args: str, input: str | None = None):
+    return CliRunner().invoke(cli, ["diagnose", *args], input=input)
+
+
+def test_cli_report_shows_cause_lines_and_fix():
+    result = _invoke(str(FIXTURES / "nccl-duplicate-gpu.log"))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "Likely cause: Two ranks on one node use the same GPU" in out
+    assert "line 4" in out and "Duplicate GPU detected : rank 0 and rank 1" in out
+    assert "torch.cuda.set_device" in out and "confidence 0.96" in out
+
+
+def test_cli_run_dir_names_where(tmp_path):
+    result = _invoke(str(_run_dir(tmp_path)))
+    assert result.exit_code == 0, result.output
+    assert "first failure: node2 rank 3" in result.output
+    assert "node2/rank3.log:20" in result.output
+    assert re.search(r"node2 rank 3", result.output)
+
+
+def test_cli_json(tmp_path):
+    result = _invoke(str(FIXTURES / "ssh-host-key-changed.log"), "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert data["matched"] is True and data["kind"] == "file"
+    top = data["diagnoses"][0]
+    assert top["rule_id"] == "ssh-host-key-changed"
+    assert top["lines"][0]["line"] == 2 and top["fix"]
+
+
+def test_cli_nothing_matched_exits_1():
+    result = _invoke(str(FIXTURES / "negative-clean-run.log"))
+    assert result.exit_code == 1
+    assert "no known failure signature matched" in result.output
+    data = json.loads(_invoke(str(FIXTURES / "negative-clean-run.log"), "--json").output)
+    assert data == {**data, "matched": False, "diagnoses": []}
+
+
+def test_cli_missing_file_exits_2(tmp_path):
+    result = _invoke(str(tmp_path / "missing.log"))
+    assert result.exit_code == 2
+    assert "missing.log: no such file or directory" in result.output
+
+
+def test_cli_all_and_stdin():
+    text = fixture("ssh-permission-denied.log")
+    short = _invoke("-", input=text)
+    assert short.exit_code == 0 and "ssh refused the key" in short.output
+    log = fixture("nccl-system-error.log") + fixture("cuda-oom.log") + fixture("rendezvous-timeout.log")
+    log += fixture("address-in-use.log")
+    hidden = _invoke("-", input=log)
+    assert "rerun with --all" in hidden.output
+    everything = _invoke("-", "--all", input=log)
+    assert "4. Also possible" in everything.output
+
+
+def test_cli_facts_flag(tmp_path):
+    facts = tmp_path / "facts.json"
+    facts.write_text(json.dumps([_facts("node2", ib=[])]))
+    result = _invoke(str(FIXTURES / "nccl-system-error.log"), "--facts", str(facts))
+    assert result.exit_code == 0
+    assert "node2 has no InfiniBand device: set NCCL_IB_DISABLE=1" in result.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert _invoke(str(FIXTURES / "cuda-oom.log"), "--facts", str(bad)).exit_code == 2
+
+
+def test_log_lines_keep_physical_line_numbers():
+    lines = list(iter_text("a\n\nb\rc\n"))
+    assert [(ln.number, ln.text) for ln in lines] == [(1, "a"), (3, "b"), (3, "c")]
