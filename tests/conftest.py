@@ -71,6 +71,7 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip("the sandbox needs root (network/PID/mount namespaces); CI runs as root")
     from corral.sandbox import Sandbox
 
+    _remove_sandboxes_of_dead_sessions()
     tag = f"t{os.getpid()}"
     sb = Sandbox(name=tag, prefix=f"{tag}n", state_dir=tmp_path_factory.mktemp("sandbox") / "state")
     try:
@@ -78,3 +79,21 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory):
         yield sb
     finally:
         sb.down()
+
+
+def _remove_sandboxes_of_dead_sessions() -> None:
+    """Test sandboxes are named after their pytest's pid (``t<pid>``, ``u<pid>r``...);
+    one whose session was killed (SIGKILL, CI timeout) is removed here."""
+    import re
+    import warnings
+
+    from corral.errors import CorralError
+    from corral.sandbox import Sandbox, present_sandboxes
+
+    for name in present_sandboxes():
+        match = re.fullmatch(r"[tuv](\d+)[a-z]?", name)
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            try:
+                Sandbox(name=name).down()
+            except CorralError as err:  # another session may be removing it right now
+                warnings.warn(f"stale test sandbox {name}: {err}", stacklevel=1)

@@ -83,9 +83,13 @@ def test_pick_subnet_avoids_networks_in_use() -> None:
     assert other != first and not other.overlaps(first)
 
 
-def test_pick_subnet_gives_up_clearly_when_pool_is_full() -> None:
+def test_pick_subnet_moves_to_spare_pools_then_gives_up_clearly() -> None:
+    vpn = ipaddress.ip_network("10.0.0.0/8")
+    spare = spec.pick_subnet("demo", [vpn])
+    assert not spare.overlaps(vpn) and spare.subnet_of(spec.SPARE_POOLS[0])
+    everything = [vpn, ipaddress.ip_network("172.16.0.0/12"), ipaddress.ip_network("192.168.0.0/16")]
     with pytest.raises(UsageError, match="overlaps") as err:
-        spec.pick_subnet("demo", [ipaddress.ip_network("10.0.0.0/8")])
+        spec.pick_subnet("demo", everything)
     assert "--subnet" in (err.value.hint or "")
 
 
@@ -413,6 +417,9 @@ def test_cli_status_json(sandbox: Sandbox) -> None:
     assert data["files"]["cluster_file"] == str(sandbox.cluster_file)
     cluster = sandbox.cluster()
     assert cluster.names == sandbox.nodes and cluster.path == str(sandbox.cluster_file)
+    listed = subprocess.run([sys.executable, "-m", "corral", "sandbox", "list", "--json"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert sandbox.name in [row["name"] for row in json.loads(listed.stdout)]
 
 
 # ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import click
 from rich.table import Table
 
-from corral.sandbox import DEFAULT_NAME, Sandbox, SandboxStatus, format_rate
+from corral.sandbox import DEFAULT_NAME, Sandbox, SandboxStatus, format_rate, present_sandboxes
 from corral.ui import console, notice
 
 
@@ -138,6 +138,31 @@ def exec_(ctx: click.Context, node: str, command: tuple[str, ...], name: str, st
         argv = argv[1:]
     proc = _sandbox(name, state_dir).exec(node, argv, capture=False)
     ctx.exit(proc.returncode)
+
+
+@sandbox.command(name="list")
+@_json_option
+def list_(as_json: bool) -> None:
+    """List the sandboxes on this machine (found from namespaces and /etc/hosts)."""
+    rows = []
+    for name in present_sandboxes():
+        st = Sandbox(name=name).status()
+        rows.append({"name": name, "state_dir": st.state_dir if st.exists else None,
+                     "nodes": len(st.nodes), "up": st.up})
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        console().print("no sandboxes on this machine")
+        return
+    table = Table(box=None, pad_edge=False)
+    for col in ("name", "nodes", "up", "state dir"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["name"], str(row["nodes"]) if row["state_dir"] else "?",
+                      "yes" if row["up"] else "no",
+                      row["state_dir"] or "(elsewhere: pass --state-dir to other commands)")
+    console().print(table)
 
 
 def _node_command(verb: str, doc: str) -> click.Command:

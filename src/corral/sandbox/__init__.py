@@ -32,6 +32,7 @@ from corral.sandbox.spec import (
     parse_rate,
 )
 from corral.sandbox.status import NodeStatus, SandboxStatus
+from corral.sandbox.teardown import present_sandboxes
 
 __all__ = [
     "DEFAULT_NAME",
@@ -44,4 +45,5 @@ __all__ = [
     "SandboxStatus",
     "format_rate",
     "parse_rate",
+    "present_sandboxes",
 ]

@@ -65,6 +65,11 @@ def strip_blocks(text: str, name: str | None = None) -> str:
     return pattern.sub("", text)
 
 
+def block_names(text: str) -> list[str]:
+    """Names of the sandboxes that have a block in ``text``."""
+    return re.findall(r"^# corral-sandbox (\S+) begin$", text, re.MULTILINE)
+
+
 def hosts_block(name: str, entries: Sequence[HostEntry]) -> str:
     lines = [_marker(name, "begin")]
     lines += [f"{e.address}\t{e.name}" for e in entries]

@@ -34,6 +34,8 @@ DECOY_ADDRESS = "172.17.0.1/16"
 #: Default subnets are carved from this block: private, and rarely used by
 #: docker (172.17/16), libvirt (192.168.122/24) or cloud VPCs (10.0/16).
 SUBNET_POOL = ipaddress.ip_network("10.200.0.0/13")
+#: Tried, in order, when a route covers all of ``SUBNET_POOL`` (a VPN's 10/8).
+SPARE_POOLS = (ipaddress.ip_network("172.30.0.0/15"), ipaddress.ip_network("192.168.192.0/18"))
 #: Node ``i`` (1-based) gets host address ``FIRST_NODE_HOST + i`` of its
 #: subnet, so node1 is ``.11``: easy to read, and .2-.10 stay free.
 FIRST_NODE_HOST = 10
@@ -150,10 +152,12 @@ def subnet_candidates(seed: str) -> Iterable[ipaddress.IPv4Network]:
     Distinct names usually land on distinct subnets without coordination; a
     collision with a route in use is resolved by taking the next one.
     """
-    subnets = list(SUBNET_POOL.subnets(new_prefix=24))
-    start = int(hashlib.sha256(seed.encode()).hexdigest(), 16) % len(subnets)
-    for i in range(len(subnets)):
-        yield subnets[(start + i) % len(subnets)]
+    digest = int(hashlib.sha256(seed.encode()).hexdigest(), 16)
+    for pool in (SUBNET_POOL, *SPARE_POOLS):
+        subnets = list(pool.subnets(new_prefix=24))
+        start = digest % len(subnets)
+        for i in range(len(subnets)):
+            yield subnets[(start + i) % len(subnets)]
 
 
 def pick_subnet(
@@ -165,7 +169,8 @@ def pick_subnet(
         if not any(net.overlaps(other) for other in used):
             return net
     raise UsageError(
-        f"every /24 of {SUBNET_POOL} overlaps a route on this machine",
+        f"every /24 of {', '.join(str(p) for p in (SUBNET_POOL, *SPARE_POOLS))} overlaps "
+        "a route on this machine",
         hint="pass a free subnet with --subnet, e.g. --subnet 192.168.77.0/24",
     )
 

@@ -34,6 +34,24 @@ OWNED = {
 }
 
 
+def present_sandboxes() -> list[str]:
+    """Names of the sandboxes with namespaces or an /etc/hosts block on this machine.
+
+    Found from the system, not from state directories, so it also lists a
+    sandbox whose state directory is gone (a crashed ``up``, a deleted temp dir).
+    """
+    names = set()
+    for ns in netns.netns_list():
+        if ns.startswith("corral_") and ns.count("_") >= 2:
+            names.add(ns.split("_")[1])
+    try:
+        text = files.ETC_HOSTS.read_text()
+    except OSError:
+        text = ""
+    names.update(files.block_names(text))
+    return sorted(names)
+
+
 class TeardownOps:
     """Mixed into ``Sandbox``."""
 
