@@ -512,8 +512,12 @@ def test_down_leaves_no_namespace_interface_process_or_file(own_sandbox) -> None
     # A process entered from outside the node's PID namespace counts too.
     outsider = subprocess.Popen(["ip", "netns", "exec", namespaces[1], "sleep", "600"],
                                 start_new_session=True)
+    deadline = time.monotonic() + 10
+    while outsider.pid not in _ip_netns_pids(namespaces[1]):  # until `ip netns exec` has entered
+        assert time.monotonic() < deadline and outsider.poll() is None
+        time.sleep(0.05)
     pids = [p for ns in namespaces for p in _ip_netns_pids(ns)]
-    assert outsider.pid in pids and len(pids) >= 7
+    assert len(pids) >= 8  # 2 x (unshare, init, sshd), the sleep on node1, the outsider
 
     removed = sb.down()
 

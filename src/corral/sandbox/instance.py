@@ -53,7 +53,8 @@ class Sandbox(NodeOps, TeardownOps):
     def __init__(self, name: str | None = None, *, state_dir: str | os.PathLike | None = None,
                  prefix: str | None = None):
         self.name = specs.check_name(name or specs.default_name())
-        self.state_dir = Path(state_dir).expanduser().absolute() if state_dir else specs.default_state_dir(self.name).absolute()
+        where = Path(state_dir).expanduser() if state_dir else specs.default_state_dir(self.name)
+        self.state_dir = where.absolute()
         self.prefix = specs.check_prefix(prefix) if prefix else None
 
     def __repr__(self) -> str:
@@ -85,7 +86,7 @@ class Sandbox(NodeOps, TeardownOps):
     def spec(self) -> SandboxSpec:
         """The running sandbox's parameters; ``SandboxError`` when it is not up."""
         state = self._load()
-        if state is None:
+        if state is None or "spec" not in state:
             raise SandboxError(
                 f"sandbox {self.name!r} is not up (no {self.state_dir / STATE_FILE})",
                 hint=f"corral sandbox up 4{'' if self.name == specs.DEFAULT_NAME else ' --name ' + self.name}",
@@ -301,11 +302,14 @@ class Sandbox(NodeOps, TeardownOps):
         spaces = set(netns.netns_list())
         head: list[str] = []
         inside: dict[str, list[str]] = {}
+        repair: dict[str, list[str]] = {}
         for nn in sp.all_nodes():
             if nn.netns in spaces and nn.veth in present:
                 head.append(f"link set dev {nn.veth} up")  # heal a partition
                 if sp.fast_subnet:
                     head.append(f"link set dev {nn.fast_veth} up")
+                # Re-apply the inside half too (an up may have crashed between the two).
+                repair[nn.netns] = nodes_mod.network_commands(sp, nn)[1]
                 continue
             if nn.netns in spaces:  # half-built: start this node from scratch
                 netns.empty_netns([nn.netns])
@@ -319,6 +323,9 @@ class Sandbox(NodeOps, TeardownOps):
         netns.ip_batch(head)
         for ns, lines in inside.items():
             netns.ip_batch(lines, netns=ns)
+        for ns, lines in repair.items():
+            # Mostly "already exists": the result is checked by wait_ready's ssh probe.
+            netns.ip_batch(lines, netns=ns, force=True)
         for nn in sp.all_nodes():
             if sp.rate is not None or nn.netns not in inside:
                 self._shape(sp, nn, sp.rate)

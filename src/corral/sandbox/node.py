@@ -100,7 +100,7 @@ def network_commands(spec: SandboxSpec, node: NodeNames) -> tuple[list[str], lis
         f"link set dev {node.veth} alias {alias} master {spec.bridge} up",
     ]
     inside = [
-        f"addr add {spec.address(node.index)}/{spec.prefixlen()} dev eth0",
+        f"addr replace {spec.address(node.index)}/{spec.prefixlen()} dev eth0",
         "link set eth0 up",
         "link set lo up",
     ]
@@ -111,13 +111,13 @@ def network_commands(spec: SandboxSpec, node: NodeNames) -> tuple[list[str], lis
             f"link add {node.fast_veth} type veth peer name eth1 netns {node.netns}",
             f"link set dev {node.fast_veth} alias {alias} master {spec.fast_bridge} up",
         ]
-        inside += [f"addr add {fast}/{plen} dev eth1", "link set eth1 up"]
+        inside += [f"addr replace {fast}/{plen} dev eth1", "link set eth1 up"]
     if "decoy" in spec.extra_nics:
         # Like docker0 on a host with no containers: an address, no carrier,
         # the same 172.17.0.1 on every node, reachable from nowhere else.
         inside += [
             "link add docker0 type bridge",
-            f"addr add {DECOY_ADDRESS} dev docker0",
+            f"addr replace {DECOY_ADDRESS} dev docker0",
             "link set docker0 up",
         ]
     return head, inside

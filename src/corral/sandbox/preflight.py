@@ -57,12 +57,15 @@ def check_privileges() -> None:
             f"the sandbox needs Linux namespaces; this is {sys.platform}",
             hint="run it on a Linux machine or VM (any recent distribution)",
         )
-    missing = missing_capabilities()
-    if missing:
-        why = "; ".join(f"{name} to {CAPABILITIES[name][1]}" for name in missing)
-        who = "root" if os.geteuid() == 0 else f"uid {os.geteuid()}, not root"
+    problems = []
+    if os.geteuid() != 0:
+        problems.append(f"it runs as uid {os.geteuid()}, not root (uid 0 edits /etc/hosts, "
+                        "reads /etc/shadow for the nodes' accounts)")
+    for name in missing_capabilities():
+        problems.append(f"it lacks {name}, needed to {CAPABILITIES[name][1]}")
+    if problems:
         raise SandboxError(
-            f"corral sandbox needs root privileges; this process ({who}) lacks {', '.join(missing)} ({why})",
+            "corral sandbox needs root privileges: " + "; ".join(problems),
             hint="run it as root: sudo $(command -v corral) sandbox ...  (in a container: "
             "--cap-add NET_ADMIN --cap-add SYS_ADMIN, or --privileged)",
         )
