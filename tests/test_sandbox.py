@@ -137,6 +137,13 @@ def test_sshd_config_allows_passwords_only_for_the_test_user() -> None:
     assert with_pw.strip().endswith("Match User corral\n    PasswordAuthentication yes")
 
 
+def test_cluster_files_log_in_as_the_only_reachable_user() -> None:
+    assert _spec(with_keys=True).login_user == "root"
+    assert _spec(password_auth=True).login_user == spec.TEST_USER
+    assert _spec(password_auth=True, with_keys=True).login_user == "root"
+    assert f"User {spec.TEST_USER}" in files.ssh_config(_spec(password_auth=True), Path("/s"))
+
+
 def test_known_hosts_qualifies_non_default_ports() -> None:
     keys = {f"node{i}": f"ssh-ed25519 KEY{i} root@node{i}" for i in (1, 2, 3)}
     text = files.known_hosts(_spec(ssh_port=2222), keys)

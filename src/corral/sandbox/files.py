@@ -300,7 +300,7 @@ def corral_toml(spec: SandboxSpec, state_dir: Path, python: str) -> str:
     cluster["name"] = spec.name
     cluster["python"] = python
     cluster["slots"] = spec.slots
-    cluster["user"] = "root"
+    cluster["user"] = spec.login_user
     cluster["port"] = spec.ssh_port
     cluster["ssh_options"] = ssh_options(spec, state_dir)
     doc["cluster"] = cluster
@@ -326,7 +326,7 @@ def ssh_config(spec: SandboxSpec, state_dir: Path) -> str:
     ]
     for node in spec.all_nodes():
         lines += [f"Host {node.name}", f"    HostName {spec.address(node.index)}"]
-    lines += [f"Host {' '.join(names)}", "    User root", f"    Port {spec.ssh_port}"]
+    lines += [f"Host {' '.join(names)}", f"    User {spec.login_user}", f"    Port {spec.ssh_port}"]
     lines.append("    StrictHostKeyChecking yes")
     for opt in ssh_options(spec, state_dir):
         key, value = opt.split("=", 1)

@@ -115,7 +115,7 @@ class Sandbox(NodeOps, TeardownOps):
         state = self._load() or {}
         return Cluster(
             hosts=tuple(
-                Host(name=n.name, address=sp.address(n.index), port=sp.ssh_port, user="root",
+                Host(name=n.name, address=sp.address(n.index), port=sp.ssh_port, user=sp.login_user,
                      slots=sp.slots, python=state.get("python", sys.executable))
                 for n in sp.all_nodes()
             ),

@@ -269,6 +269,13 @@ class SandboxSpec:
     def prefixlen(self) -> int:
         return self.network().prefixlen
 
+    @property
+    def login_user(self) -> str:
+        """Who the generated cluster files log in as: root with ``--with-keys``;
+        the password test user with ``--password-auth`` alone (the only account
+        a first contact can reach)."""
+        return TEST_USER if self.password_auth and not self.with_keys else "root"
+
     def differences(self, other: SandboxSpec) -> list[str]:
         """Identity fields where ``other`` (a new request) differs from this one."""
         return [
