@@ -515,6 +515,10 @@ def test_down_leaves_no_namespace_interface_process_or_file(own_sandbox) -> None
     first = sb.nodes[0]
     addrs = sb.exec(first, ["ip", "-br", "addr"]).stdout
     assert "eth1" in addrs and "docker0" in addrs and "172.17.0.1/16" in addrs
+    fast_peer = status.nodes[1].fast_address
+    assert fast_peer and not ipaddress.ip_address(fast_peer) in ipaddress.ip_network(status.subnet)
+    code = f"import socket; socket.create_connection(({fast_peer!r}, 2222), 3).close()"
+    assert sb.exec(first, [sys.executable, "-c", code], timeout=30).returncode == 0  # via eth1
     assert _ssh(sb, first, "setsid sleep 600 >/dev/null 2>&1 < /dev/null &").returncode == 0
     # A process entered from outside the node's PID namespace counts too.
     outsider = subprocess.Popen(["ip", "netns", "exec", namespaces[1], "sleep", "600"],
