@@ -25,6 +25,7 @@ from corral.diagnose import (
     diagnose_run,
     diagnose_text,
     load_rules,
+    prefilter,
 )
 from corral.diagnose.logtext import iter_text, parse
 
@@ -190,6 +191,32 @@ def test_huge_log_streams_with_bounded_lines(tmp_path):
     assert all(len(m.text) <= 8192 for m in diags[0].lines)
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.log")))
+def test_block_scanning_finds_what_line_by_line_matching_finds(monkeypatch, name):
+    """The fast path (literals found in big blocks) must not lose or misnumber a line."""
+    slow = Matcher().feed_all(iter_text(fixture(name))).diagnoses()
+    monkeypatch.setattr(prefilter, "CHUNK", 97)  # many block boundaries inside lines
+    with (FIXTURES / name).open() as stream:
+        fast = Matcher().feed_stream(stream).diagnoses()
+    assert [(d.rule_id, [m.line for m in d.lines]) for d in fast] == \
+        [(d.rule_id, [m.line for m in d.lines]) for d in slow]
+
+
+def test_every_builtin_pattern_has_a_literal_for_the_fast_path():
+    regexes = [rx for r in RULES for rx in [p.regex for p in r.patterns] + [*r.requires, *r.excludes]]
+    assert prefilter.literal_set(regexes) is not None
+    assert prefilter.literals(re.compile(r"(?:Process \d+ has [\d.]+ GiB memory in use\. ){2,}")) == \
+        [" GiB memory in use. "]
+    assert prefilter.literals(re.compile(r"\d+\s+")) is None
+
+
+def test_coloured_log_keeps_line_numbers():
+    text = "\x1b[32mstep 1\x1b[0m\nok\n\x1b[1;31m[rank1]: RuntimeError: Default process group has " \
+        "not been initialized\x1b[0m\n"
+    (top,) = diagnose_text(text)
+    assert (top.rule_id, top.lines[0].line, top.rank) == ("process-group-not-initialized", 3, 1)
+
+
 def test_live_feed_attributes_lines_to_their_host_and_rank():
     m = Matcher()
     m.feed_text("starting", host="node3", rank=5)
@@ -289,9 +316,9 @@ def test_first_failing_rank_comes_first_even_with_lower_confidence(tmp_path):
     shutil.rmtree(run / "node2")
     (run / "node2").mkdir()
     (run / "node2" / "rank3.log").write_text(fixture("host-oom-killed.log"))  # 0.7
-    (run / "node1" / "rank1.log").write_text(fixture("collective-timeout.log"))
+    (run / "node1" / "rank1.log").write_text(fixture("nccl-system-error.log"))  # 0.9
     ids = [d.rule_id for d in diagnose_path(run)]
-    assert ids[0] == "host-oom-killed"
+    assert ids[:2] == ["host-oom-killed", "nccl-system-error"]
 
 
 def test_missing_path_is_a_usage_error(tmp_path):

@@ -13,8 +13,9 @@ means ``infiniband == []``, not a missing key.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 Facts = Mapping[str, Any]
 AllFacts = Mapping[str, Facts]

@@ -13,13 +13,14 @@ caps line length, so a multi-gigabyte log costs constant memory.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Iterator
+from typing import IO
 
 #: Longest line kept; real error lines are far shorter, runaway progress bars are not.
 MAX_LINE = 8192
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07|\x1b[@-Z\\-_]")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\n]*\x07|\x1b[@-Z\\-_]")
 
 # A token that can only be a host name: an IPv4 address, or a lowercase name
 # whose first label holds a digit or a dash (node1, gpu-03, ip-10-0-0-1).
@@ -32,7 +33,7 @@ _HOSTTOKEN = r"(?:\d{1,3}(?:\.\d{1,3}){3}|[a-z][a-z0-9]*[0-9-][a-z0-9-]*(?:\.[a-
 _PREFIXES: tuple[re.Pattern[str], ...] = tuple(
     re.compile(p)
     for p in (
-        rf"^pdsh@[\w.-]+: (?P<host>[\w.-]+): ",  # pdsh's own messages about a host
+        r"^pdsh@[\w.-]+: (?P<host>[\w.-]+): ",  # pdsh's own messages about a host
         r"^\[(?P<host>[\w.-]+)/r(?P<rank>\d+)\][:\s]\s?",  # corral: [node2/r3]
         r"^(?P<host>[A-Za-z0-9][\w.-]*)/r(?P<rank>\d+)(?:\s*[|:]\s?|\s)",  # corral: node2/r3 |
         r"^\[r(?P<rank>\d+)\][:\s]\s?",  # corral: [r3]

@@ -13,12 +13,14 @@ a run directory (one matcher per file) and a live run.
 
 from __future__ import annotations
 
-import re
+import io
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterable, Mapping, Sequence
+from typing import IO
 
+from corral.diagnose import prefilter
 from corral.diagnose.facts import AllFacts, refine_steps
-from corral.diagnose.logtext import LogLine, iter_text, parse
+from corral.diagnose.logtext import MAX_LINE, LogLine, iter_lines, parse
 from corral.diagnose.rules import Rule, load_rules
 
 #: Matched lines kept per pattern, and per diagnosis in total.
@@ -82,7 +84,7 @@ class Diagnosis:
 class _RuleState:
     """What one rule has seen so far in one log."""
 
-    __slots__ = ("hits", "lines", "values", "required", "excluded")
+    __slots__ = ("excluded", "hits", "lines", "required", "values")
 
     def __init__(self, rule: Rule) -> None:
         self.hits = [0] * len(rule.patterns)
@@ -90,19 +92,6 @@ class _RuleState:
         self.values: list[dict[str, list[str]]] = [{} for _ in rule.patterns]
         self.required = [False] * len(rule.requires)
         self.excluded = False
-
-
-def _prefilter(rules: Sequence[Rule]) -> re.Pattern[str] | None:
-    """One regex that rejects, in C, the lines no rule can care about."""
-    sources = []
-    for rule in rules:
-        for rx in [p.regex for p in rule.patterns] + list(rule.requires) + list(rule.excludes):
-            src = re.sub(r"\(\?P<\w+>", "(?:", rx.pattern)
-            sources.append(f"(?:{src})")
-    try:
-        return re.compile("|".join(sources))
-    except re.error:  # e.g. a rule using a global inline flag: just check every rule
-        return None
 
 
 class Matcher:
@@ -115,12 +104,16 @@ class Matcher:
         self.host = host
         self.rank = rank
         self._states = [_RuleState(r) for r in self.rules]
-        self._filter = _prefilter(self.rules)
+        # Literals one of which any rule's match contains; None: some rule needs every line.
+        self._literals = prefilter.literal_set(
+            rx for r in self.rules for rx in [p.regex for p in r.patterns] + [*r.requires, *r.excludes]
+        )
+        self._filter = None if self._literals is None else prefilter.line_filter(self._literals)
         self._count = 0
 
     def feed(self, line: LogLine) -> None:
         text = line.text
-        if self._filter is not None and not self._filter.search(text):
+        if self._literals is not None and (self._filter is None or not self._filter.search(text)):
             return
         for rule, state in zip(self.rules, self._states):
             for i, rx in enumerate(rule.requires):
@@ -153,9 +146,18 @@ class Matcher:
                                rank=rank if rank is not None else line.rank)
             self.feed(line)
 
-    def feed_all(self, lines: Iterable[LogLine]) -> "Matcher":
+    def feed_all(self, lines: Iterable[LogLine]) -> Matcher:
         for line in lines:
             self.feed(line)
+        return self
+
+    def feed_stream(self, stream: IO[str]) -> Matcher:
+        """Feed a whole file; only lines containing a rule's literal are parsed."""
+        if self._literals is None:
+            return self.feed_all(iter_lines(stream))
+        for number, raw in prefilter.scan(stream, self._literals, MAX_LINE):
+            for line in parse(raw, number):
+                self.feed(line)
         return self
 
     def diagnoses(self, facts: AllFacts | None = None) -> list[Diagnosis]:
@@ -184,9 +186,9 @@ class Matcher:
         for i, pattern in enumerate(rule.patterns):
             if not state.hits[i]:
                 continue
-            if rule.distinct and rule.distinct in pattern.regex.groupindex:
-                if len(state.values[i].get(rule.distinct, [])) < 2:
-                    continue
+            needs_two = rule.distinct and rule.distinct in pattern.regex.groupindex
+            if needs_two and len(state.values[i].get(rule.distinct, [])) < 2:
+                continue
             counted.append(i)
         return counted
 
@@ -246,4 +248,4 @@ def diagnose_text(
     log file); ``facts`` (doctor facts per host) make fix steps host-specific.
     """
     matcher = Matcher(rules, origin=origin, host=host, rank=rank)
-    return matcher.feed_all(iter_text(text)).diagnoses(facts)
+    return matcher.feed_stream(io.StringIO(text)).diagnoses(facts)

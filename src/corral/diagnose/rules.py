@@ -15,10 +15,11 @@ import functools
 import re
 import string
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from corral.diagnose.facts import AllFacts
-from corral.diagnose.logtext import iter_lines
 from corral.diagnose.matcher import Diagnosis, Matcher
 from corral.diagnose.rules import Rule, load_rules
 from corral.errors import UsageError
@@ -155,7 +155,7 @@ def _scan(file: Path, origin: str, rules: Sequence[Rule], host: str | None, rank
     matcher = Matcher(rules, origin=origin, host=host, rank=rank)
     try:
         with file.open(encoding="utf-8", errors="replace", newline="") as stream:
-            matcher.feed_all(iter_lines(stream))
+            matcher.feed_stream(stream)
     except OSError as err:
         raise UsageError(f"{file}: cannot read: {err.strerror}") from None
     return matcher.diagnoses(facts)
