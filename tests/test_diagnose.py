@@ -321,6 +321,16 @@ def test_first_failing_rank_comes_first_even_with_lower_confidence(tmp_path):
     assert ids[:2] == ["host-oom-killed", "nccl-system-error"]
 
 
+def test_succeeded_run_says_so(tmp_path):
+    run = tmp_path / "run1"
+    (run / "node1").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"status": "succeeded", "failure": None}))
+    (run / "node1" / "rank0.log").write_text(fixture("negative-clean-run.log"))
+    result = _invoke(str(run))
+    assert result.exit_code == 1
+    assert "run.json records that this run succeeded" in result.output
+
+
 def test_missing_path_is_a_usage_error(tmp_path):
     from corral.errors import UsageError
 

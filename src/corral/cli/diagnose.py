@@ -9,7 +9,14 @@ import click
 from rich.markup import escape
 
 from corral import ui
-from corral.diagnose import Diagnosis, RunReport, diagnose_run, diagnose_text, load_facts, load_rules
+from corral.diagnose import (
+    Diagnosis,
+    RunReport,
+    diagnose_run,
+    diagnose_text,
+    load_facts,
+    load_rules,
+)
 
 #: Causes shown without --all.
 _DEFAULT_SHOWN = 3
@@ -77,6 +84,7 @@ def _as_json(report: RunReport) -> dict:
             "exit_code": failure.exit_code, "signal": failure.signal,
         },
         "facts_hosts": list(report.facts_hosts),
+        "status": report.status,
         "matched": bool(report.diagnoses),
         "diagnoses": [d.to_dict() for d in report.diagnoses],
     }
@@ -112,7 +120,10 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
     if report.facts_hosts:
         con.print(f"[dim]using doctor facts for {escape(', '.join(report.facts_hosts))}[/]")
     if not report.diagnoses:
-        con.print(f"\n[yellow]{escape(_NOTHING)}[/]")
+        if report.status == "succeeded":
+            con.print("\n[green]run.json records that this run succeeded: nothing to diagnose.[/]")
+        else:
+            con.print(f"\n[yellow]{escape(_NOTHING)}[/]")
         return
     shown = report.diagnoses if show_all else report.diagnoses[:_DEFAULT_SHOWN]
     for n, d in enumerate(shown, start=1):

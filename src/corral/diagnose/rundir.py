@@ -53,6 +53,8 @@ class RunReport:
     failure: Failure | None
     facts_hosts: tuple[str, ...]
     diagnoses: tuple[Diagnosis, ...]
+    #: run.json's status ("failed", "succeeded", ...) for run directories.
+    status: str | None = None
 
 
 def diagnose_path(path: str | Path, facts: AllFacts | None = None,
@@ -74,7 +76,8 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
         return RunReport(path=str(root), kind="file", files=(str(root),), failure=None,
                          facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags))
     run_json = root / "run.json"
-    failure = _read_failure(run_json) if run_json.is_file() else None
+    record = _read_record(run_json) if run_json.is_file() else {}
+    failure = _failure(record)
     all_facts: dict[str, Any] = {}
     if (root / "facts.json").is_file():
         all_facts.update(load_facts(root / "facts.json"))
@@ -92,7 +95,8 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
     diags = _merge(per_file, failure, order)
     return RunReport(path=str(root), kind="run" if run_json.is_file() else "dir",
                      files=tuple(str(f.relative_to(root)) for f, _, _ in logs), failure=failure,
-                     facts_hosts=tuple(sorted(all_facts)), diagnoses=tuple(diags))
+                     facts_hosts=tuple(sorted(all_facts)), diagnoses=tuple(diags),
+                     status=record.get("status") if isinstance(record.get("status"), str) else None)
 
 
 def load_facts(path: str | Path) -> dict[str, dict]:
@@ -121,9 +125,15 @@ def _read_json(path: Path) -> Any:
         raise UsageError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from None
 
 
-def _read_failure(run_json: Path) -> Failure | None:
+def _read_record(run_json: Path) -> dict[str, Any]:
     data = _read_json(run_json)
-    failure = data.get("failure") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise UsageError(f"{run_json}: expected a JSON object", hint="run.json is written by `corral run`")
+    return data
+
+
+def _failure(record: Mapping[str, Any]) -> Failure | None:
+    failure = record.get("failure")
     if not isinstance(failure, dict):
         return None
     rank = failure.get("rank")
