@@ -40,7 +40,7 @@ import json, sys
 if sys.version_info < (3, 8):
     sys.stdout.write("\n@@corral-result@@" + json.dumps({"error": "corral needs Python 3.8+ on the node, found " + sys.version.split()[0], "kind": "python"}) + "\n")
     raise SystemExit(3)
-_g = {"__name__": "corral_node_" + _h["mod"]}
+_g = {"__name__": "corral_node_" + _h["mod"], "_CORRAL_HEADER": _h}
 exec(compile(_h["src"], "<corral:%s>" % _h["mod"], "exec"), _g)
 try:
     _args = dict(_h["args"])

@@ -1,0 +1,311 @@
+"""File trees as sync sees them, on the head and on the nodes (stdlib, Python 3.8+).
+
+Shipped as source to the nodes (``corral.sshsetup.remote``) and imported by
+the head, so both sides describe a tree with the same code:
+
+- an entry per synced path: ``[kind, mode, size, digest]`` where kind is
+  ``f`` (file: sha256 of the content) or ``l`` (symlink: sha256 of its
+  target); directories are implied;
+- the tree hash: sha256 over the sorted ``path, kind, mode, size, digest``
+  lines of the synced file list, so two nodes agree exactly when every synced
+  file is the same;
+- a stat cache (like git's index): a file whose size, mtime, ctime and inode
+  have not changed since it was hashed is not read again, so re-checking an
+  unchanged 5,000-file tree costs ``stat`` calls, not reads; anything that
+  writes the file (rsync's rename, an editor) changes its ctime or inode.
+
+The node-side calls: ``status`` (what differs from the head's manifest, and
+with ``scope`` what is extra), ``delete``, ``probe`` (can this node log in to
+the next one) and ``receive`` (one hop of the streaming chain).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+CHUNK = 1 << 20
+#: Directory names never walked when looking for extra files (sync never deletes in them).
+PRUNE = (".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "node_modules", ".tox", ".nox",
+         ".mypy_cache", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints")
+MARK = "@@corral-result@@"
+PROGRESS = "@@prog "
+HOP = "@@hop "
+
+
+# ---------------------------------------------------------------------------
+# entries, hashes, cache
+
+
+def cache_file(root: str) -> str:
+    key = hashlib.sha1(os.path.abspath(root).encode()).hexdigest()[:16]
+    return os.path.join(os.path.expanduser("~"), ".cache", "corral", "sync", key + ".json")
+
+
+def load_cache(root: str) -> dict:
+    try:
+        with open(cache_file(root)) as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def save_cache(root: str, cache: dict) -> None:
+    path = cache_file(root)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = "%s.%d.tmp" % (path, os.getpid())
+        with open(tmp, "w") as fh:
+            json.dump(cache, fh, separators=(",", ":"))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache, never a reason to fail
+
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(CHUNK)
+            if not chunk:
+                break
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def entry(root: str, rel: str, cache: dict):
+    """``[kind, mode, size, digest]`` for ``root/rel``, or None when it is missing
+    (or a directory); ``cache`` is updated in place."""
+    full = os.path.join(root, rel)
+    try:
+        st = os.lstat(full)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(full)
+        return ["l", 0, len(target.encode()), hashlib.sha256(target.encode()).hexdigest()]
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    hit = cache.get(rel)
+    if hit is not None and hit[:4] == key:
+        digest = hit[4]
+    else:
+        digest = file_digest(full)
+        cache[rel] = key + [digest]
+    return ["f", stat.S_IMODE(st.st_mode), st.st_size, digest]
+
+
+def tree_hash(entries: dict) -> str:
+    h = hashlib.sha256()
+    for rel in sorted(entries):
+        kind, mode, size, digest = entries[rel]
+        h.update(("%s\0%s\0%o\0%d\0%s\n" % (rel, kind, mode, size, digest)).encode())
+    return h.hexdigest()
+
+
+def manifest(root: str, paths: list, use_cache: bool = True, save: bool = True) -> dict:
+    """Entries and tree hash of ``paths`` under ``root`` (missing ones listed apart)."""
+    cache = load_cache(root) if use_cache else {}
+    before = len(cache)
+    entries, missing = {}, []
+    for rel in paths:
+        e = entry(root, rel, cache)
+        if e is None:
+            missing.append(rel)
+        else:
+            entries[rel] = e
+    if use_cache and save and (len(cache) != before or cache):
+        save_cache(root, {k: v for k, v in cache.items() if k in entries})
+    return {"entries": entries, "missing": missing, "hash": tree_hash(entries)}
+
+
+# ---------------------------------------------------------------------------
+# node-side calls
+
+
+def _walk_extra(root: str, scope: list, expected: dict) -> list:
+    extra = []
+    for top in scope:
+        start = os.path.join(root, top) if top else root
+        if not os.path.isdir(start) or os.path.islink(start):
+            continue
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = [d for d in dirnames if d not in PRUNE and not os.path.islink(os.path.join(dirpath, d))]
+            rel_dir = os.path.relpath(dirpath, root)
+            links = [d for d in os.listdir(dirpath) if os.path.islink(os.path.join(dirpath, d))
+                     and os.path.isdir(os.path.join(dirpath, d))]
+            for name in list(filenames) + links:
+                rel = name if rel_dir == "." else rel_dir + "/" + name
+                if rel not in expected:
+                    extra.append(rel)
+    return sorted(set(extra))
+
+
+def status(units: list, dry_run: bool = False) -> list:
+    """For each unit ``{"root", "expected": {path: entry}, "scope": [dirs] | None}``:
+    what differs from the head and the node's tree hash.  Creates the root
+    (outside dry runs) so rsync has somewhere to write."""
+    out = []
+    for unit in units:
+        root, expected = unit["root"], unit["expected"]
+        exists = os.path.isdir(root)
+        if not exists and not dry_run:
+            os.makedirs(root, exist_ok=True)
+        if exists:
+            got = manifest(root, list(expected), save=not dry_run)
+        else:
+            got = {"entries": {}, "missing": list(expected), "hash": tree_hash({})}
+        differ = {}
+        for rel, want in expected.items():
+            have = got["entries"].get(rel)
+            if have is None:
+                differ[rel] = "missing"
+            elif have[0] != want[0]:
+                differ[rel] = "kind"
+            elif have[3] != want[3] or have[2] != want[2]:
+                differ[rel] = "content"
+            elif have[1] != want[1]:
+                differ[rel] = "mode"
+        extra = _walk_extra(root, unit["scope"], expected) if unit.get("scope") is not None and exists else []
+        out.append({"root": root, "hash": got["hash"], "differ": differ, "extra": extra})
+    return out
+
+
+def delete(root: str, paths: list) -> int:
+    """Remove ``paths`` (relative to ``root``), then directories they leave empty."""
+    count = 0
+    dirs = set()
+    real_root = os.path.realpath(root)
+    for rel in paths:
+        full = os.path.join(root, rel)
+        if not os.path.realpath(os.path.dirname(full)).startswith(real_root):
+            continue  # never outside the synced tree, even through a symlinked dir
+        try:
+            os.unlink(full)
+            count += 1
+        except FileNotFoundError:
+            continue
+        parent = os.path.dirname(rel)
+        while parent:
+            dirs.add(parent)
+            parent = os.path.dirname(parent)
+    for rel in sorted(dirs, key=lambda d: -d.count("/")):
+        try:
+            os.rmdir(os.path.join(root, rel))
+        except OSError:
+            pass  # not empty: something else lives there
+    return count
+
+
+def probe(argv: list, timeout: float = 15.0) -> str:
+    """Can this node run ``argv`` (an ssh to the next node)?  "ok" or why not."""
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timed out"
+    except OSError as e:
+        return str(e)
+    if proc.returncode == 0:
+        return "ok"
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    return lines[-1] if lines else "exit code %d" % proc.returncode
+
+
+# ---------------------------------------------------------------------------
+# one hop of the streaming chain
+
+
+def _emit(lock: threading.Lock, line: str) -> None:
+    with lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def _start_next(hop: dict, chain: list):
+    """Start the ssh to the next hop and send it this module with the rest of the chain."""
+    header = dict(globals()["_CORRAL_HEADER"])
+    header["args"] = dict(header["args"], name=hop["name"], path=hop["path"], chain=chain)
+    body = json.dumps(header).encode()
+    child = subprocess.Popen(hop["argv"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdin.write(str(len(body)).encode() + b"\n" + body)
+    return child
+
+
+def _forward(child, lock: threading.Lock, results: list) -> None:
+    for raw in child.stdout:
+        line = raw.decode(errors="replace").rstrip("\n")
+        if line.startswith(MARK):
+            results.append(line[len(MARK):])
+            _emit(lock, HOP + line[len(MARK):])
+        elif line.startswith((PROGRESS, HOP)):
+            _emit(lock, line)
+
+
+def receive(stream, name: str, path: str, size: int, digest: str, mode: int, mtime_ns: int,
+            chain: list = ()) -> dict:
+    """Write ``size`` bytes from ``stream`` to ``path`` while forwarding them to
+    the next hop of ``chain``; verify the sha256; rename into place."""
+    lock = threading.Lock()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = os.path.join(os.path.dirname(path), ".%s.corral-%d" % (os.path.basename(path), os.getpid()))
+    child, fwd, downstream, child_err = None, None, [], None
+    if chain:
+        try:
+            child = _start_next(chain[0], list(chain[1:]))
+            fwd = threading.Thread(target=_forward, args=(child, lock, downstream), daemon=True)
+            fwd.start()
+        except OSError as e:
+            child_err = "cannot start ssh to %s: %s" % (chain[0]["name"], e)
+    h = hashlib.sha256()
+    done, last = 0, 0.0
+    with open(tmp, "wb") as out:
+        while done < size:
+            chunk = stream.read(min(CHUNK, size - done))
+            if not chunk:
+                break
+            out.write(chunk)
+            h.update(chunk)
+            done += len(chunk)
+            if child is not None and child_err is None:
+                try:
+                    child.stdin.write(chunk)
+                except (BrokenPipeError, OSError) as e:
+                    child_err = "the next hop (%s) stopped reading: %s" % (chain[0]["name"], e)
+            now = time.monotonic()
+            if now - last > 0.25:
+                last = now
+                _emit(lock, "%s%s %d" % (PROGRESS, name, done))
+    _emit(lock, "%s%s %d" % (PROGRESS, name, done))
+    if child is not None:
+        try:
+            child.stdin.close()
+        except OSError:
+            pass
+        child.wait()
+        if fwd is not None:
+            fwd.join(10)
+        if not downstream and child_err is None:
+            err = child.stderr.read().decode(errors="replace").strip().splitlines()
+            child_err = "%s: %s" % (chain[0]["name"], err[-1] if err else "exit %d" % child.returncode)
+    result = {"node": name, "bytes": done, "ok": False, "next_error": child_err}
+    if done != size:
+        result["error"] = "stream ended after %d of %d bytes" % (done, size)
+    elif h.hexdigest() != digest:
+        result["error"] = "sha256 mismatch after transfer"
+    else:
+        os.chmod(tmp, mode)
+        os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        os.replace(tmp, path)
+        result["ok"] = True
+    if not result["ok"] and os.path.exists(tmp):
+        os.unlink(tmp)
+    return result
