@@ -56,6 +56,8 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
               help="Extra argument for the launcher itself (e.g. --launcher-arg=--mixed_precision=bf16). Repeatable.")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where run directories go. Default: $CORRAL_RUNS_DIR or ./runs.")
+@click.option("--sync", "sync_first", is_flag=True,
+              help="Sync the project to every node first, verified (as `corral sync`; docs/sync.md).")
 @click.option("--dry-run", is_flag=True, help="Print every node's command and environment; start nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or, with --dry-run, the plan) as JSON.")
 @click.argument("program")
@@ -74,6 +76,7 @@ def run(
     grace: float,
     launcher_args: tuple[str, ...],
     runs_dir: Path | None,
+    sync_first: bool,
     dry_run: bool,
     as_json: bool,
     program: str,
@@ -98,6 +101,11 @@ def run(
     except ValueError as e:
         raise UsageError(f"--ranks {ranks_spec!r}: {e}", hint="use e.g. --ranks 0 or --ranks 0-3,8") from None
     cluster = cluster_opts.load()
+    if sync_first:
+        from corral.cli.sync import sync_cluster
+        from corral.sync import SyncOptions
+
+        sync_cluster(cluster, SyncOptions(dry_run=dry_run), cwd=Path.cwd(), brief=True)
     spec = RunSpec(
         program=program, args=tuple(args), module=module, launcher=launcher,
         nproc_per_node=nproc_per_node, env=parse_env_flags(env_flags, os.environ),
