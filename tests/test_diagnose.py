@@ -269,6 +269,17 @@ def test_wrong_nccl_socket_ifname_lists_the_interfaces_the_node_has():
     assert "eth0 (10.0.0.3/24, up)" in step and "NCCL_SOCKET_IFNAME=eth0 for node2" in step
 
 
+def test_virtual_interfaces_are_pointed_out_only_when_a_real_one_exists():
+    hf = _facts("node2", ib=_IB)
+    hf["interfaces"].append({"name": "br-lab", "addresses": ["192.168.9.1/24"], "state": "up",
+                             "kind": "bridge"})
+    top = diagnose_text(fixture("nccl-system-error.log"), facts={"node2": hf}, host="node2")[0]
+    assert any("virtual interfaces (br-lab)" in s and "NCCL_SOCKET_IFNAME=eth0" in s for s in top.fix)
+    hf["interfaces"] = [i for i in hf["interfaces"] if i["name"] != "eth0"]
+    top = diagnose_text(fixture("nccl-system-error.log"), facts={"node2": hf}, host="node2")[0]
+    assert not any("virtual interfaces" in s for s in top.fix)
+
+
 def test_versions_differ_across_nodes_are_listed():
     facts = {"node1": _facts("node1", ib=[]), "node2": _facts("node2", ib=[])}
     facts["node2"]["packages"] = {"torch": "2.3.1"}

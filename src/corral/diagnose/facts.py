@@ -55,12 +55,18 @@ def _usable(iface: Mapping[str, Any]) -> bool:
     return bool(iface.get("addresses")) and iface.get("state") not in ("down",)
 
 
-def _suggest(hf: Facts) -> str:
-    """The interface a human would pick: up, addressed, physical before virtual."""
+def _best_interface(hf: Facts) -> Mapping[str, Any] | None:
+    """The interface a human would pick: up, addressed, physical before virtual, docker last."""
     candidates = [i for i in _interfaces(hf)
                   if _usable(i) and i.get("kind") != "loopback" and i["name"] != "lo"]
-    candidates.sort(key=lambda i: (i.get("kind") in _VIRTUAL_KINDS, i.get("kind") != "ethernet"))
-    return candidates[0]["name"] if candidates else "<interface>"
+    candidates.sort(key=lambda i: (i.get("kind") == "docker", i.get("kind") in _VIRTUAL_KINDS,
+                                   i.get("kind") != "ethernet"))
+    return candidates[0] if candidates else None
+
+
+def _suggest(hf: Facts) -> str:
+    best = _best_interface(hf)
+    return best["name"] if best else "<interface>"
 
 
 def _ifname_problem(hf: Facts, spec: str, *, nccl: bool) -> str | None:
@@ -130,9 +136,10 @@ def _virtual_interfaces(hf: Facts | None, _all: AllFacts, _cap: Mapping[str, str
     virtual = [i["name"] for i in _interfaces(hf)
                if i.get("kind") in _VIRTUAL_KINDS and _usable(i)
                and not i["name"].startswith(("lo", "docker"))]
-    if not virtual:
-        return None
-    return {"virtual": ", ".join(virtual), "suggest": _suggest(hf)}
+    best = _best_interface(hf)
+    if not virtual or best is None or best.get("kind") in _VIRTUAL_KINDS:
+        return None  # nothing better to point NCCL at (e.g. a container with only a veth)
+    return {"virtual": ", ".join(virtual), "suggest": best["name"]}
 
 
 def _versions_differ(_hf: Facts | None, all_facts: AllFacts, _cap: Mapping[str, str]) -> Values | None:
