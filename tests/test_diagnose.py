@@ -24,6 +24,7 @@ from corral.diagnose import (
     diagnose_path,
     diagnose_run,
     diagnose_text,
+    load_facts,
     load_rules,
     prefilter,
 )
@@ -320,6 +321,21 @@ def test_run_dir_attributes_causes_to_host_and_rank(tmp_path):
     assert "GLOO_SOCKET_IFNAME=eth0 for node2" in first.fix[0]
     echo = next(d for d in rest if d.rule_id == "peer-process-exited")
     assert echo.host == "node1" and echo.rank == 0
+
+
+def test_real_sandbox_run_names_the_node_with_the_bad_interface():
+    """A 2-node sandbox run where only dgx2 had GLOO_SOCKET_IFNAME=ens5 (recorded as is)."""
+    run = FIXTURES / "run-sandbox-gloo-ifname"
+    top = diagnose_path(run)[0]
+    assert (top.rule_id, top.host, top.rank, top.hosts) == \
+        ("gloo-socket-ifname-missing", "dgx2", 2, ("dgx2",))
+    assert top.fix[0].startswith("dgx2 has no usable interface named 'ens5'")
+    # with the facts `corral doctor --json` collected from the same sandbox:
+    facts = load_facts(FIXTURES / "doctor-sandbox.json")
+    assert sorted(facts) == ["dgx1", "dgx2"]
+    top = diagnose_path(run, facts=facts)[0]
+    assert "On dgx2, GLOO_SOCKET_IFNAME=ens5 matches no interface" in top.fix[0]
+    assert "Set GLOO_SOCKET_IFNAME=eth0 for dgx2." in top.fix[0]
 
 
 def test_first_failing_rank_comes_first_even_with_lower_confidence(tmp_path):

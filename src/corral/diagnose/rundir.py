@@ -100,8 +100,16 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
 
 
 def load_facts(path: str | Path) -> dict[str, dict]:
-    """Doctor facts keyed by host: a ``{host: facts}`` object or a list of facts with "host"."""
+    """Doctor facts keyed by host.
+
+    Accepts ``corral doctor --json`` output as is (its ``evidence.facts``), a
+    ``{host: facts}`` object, or a list of facts objects each naming its "host".
+    """
     data = _read_json(Path(path))
+    if isinstance(data, dict) and isinstance(data.get("evidence"), dict):
+        data = data["evidence"].get("facts")
+    elif isinstance(data, dict) and isinstance(data.get("facts"), dict):
+        data = data["facts"]
     if isinstance(data, list):
         out = {}
         for item in data:
