@@ -49,8 +49,7 @@ class ProgressView:
         self._task = None
 
     def note(self, text: str) -> None:
-        if not self.quiet:
-            ui.notice(text)
+        ui.notice(text)  # stderr, so --json output stays clean
 
     def start(self, total_bytes: int) -> None:
         self._progress.start()

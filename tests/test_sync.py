@@ -1,0 +1,375 @@
+"""`corral sync`: what is sent, how trees are described, and that every node ends up the same.
+
+Pure parts (gitignore syntax, the file list of a real git repository, tree
+manifests and the stat cache, node-side status/delete run here) need no
+root; a local sync (this machine to another directory) runs the whole
+command anywhere.  Sandbox tests sync a project with ignored files,
+symlinks, deletions and a changed large file, and check each node's tree
+with their own walk and sha256, not with corral's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from corral.sync import filelist, nodetree
+from corral.sync.ignore import IgnoreRules, parse
+from corral.sync.rsync import parse_progress, rsh_word
+
+REPO = Path(__file__).resolve().parents[1]
+CORRAL = [sys.executable, "-m", "corral"]
+ROOT = os.geteuid() == 0
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------------------
+# gitignore syntax
+
+
+@pytest.mark.parametrize(("path", "is_dir", "ignored"), [
+    ("m.pyc", False, True), ("d/keep.pyc", False, False), ("runs", True, True), ("sub/runs", True, False),
+    ("runs/x", False, True), ("data/f", False, True), ("q/data/f", False, True), ("data", False, False),
+    ("a/b", False, True), ("a/x/y/b", False, True), ("foo", False, True), ("z/foo", False, True),
+    ("doc/a.txt", False, True), ("doc/s/a.txt", False, False), ("x/deep/er", False, True),
+    ("#lit", False, True), ("sp ace ", False, True), ("f[1].c", False, False), ("f1.c", False, True),
+])
+def test_gitignore_semantics(path: str, is_dir: bool, ignored: bool) -> None:
+    rules = IgnoreRules(parse(["# comment", "*.pyc", "/runs/", "data/", "!keep.pyc", "a/**/b", "**/foo",
+                               "doc/*.txt", "x/**", "\\#lit", "sp ace\\ ", "f[0-9].c", ""]))
+    assert rules.ignored(path, is_dir) is ignored
+
+
+def test_no_reinclude_inside_an_excluded_directory() -> None:
+    rules = IgnoreRules(parse(["build/", "!build/keep.txt"]))
+    assert rules.ignored("build/keep.txt")
+
+
+# ---------------------------------------------------------------------------
+# the file list
+
+
+def _git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=root, check=True,
+                   capture_output=True)
+
+
+def make_project(root: Path, *, big: int = 0) -> Path:
+    """A git project with everything a sync must get right."""
+    root.mkdir(parents=True, exist_ok=True)
+    _git(root, "init", "-q", ".")
+    files = {
+        "train.py": "print('train')\n", "src/model.py": "x = 1\n", "src/util/io.py": "y = 2\n",
+        "configs/a.yaml": "lr: 1\n", "gone.txt": "to be deleted\n", ".gitignore": "data/\n*.log\n",
+        ".corralignore": "*.tmp\nscratch/\n", "notes.tmp": "no\n", "scratch/x.py": "no\n", "app.log": "no\n",
+        "data/shard0.bin": "ignored by git\n", "runs/old/rank0.log": "corral's own logs\n",
+        ".venv/bin/python": "venv\n", "src/__pycache__/model.cpython-311.pyc": "pyc\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    os.chmod(root / "train.py", 0o755)
+    os.symlink("src/model.py", root / "model_link.py")
+    os.symlink("/nonexistent/elsewhere", root / "dangling")
+    if big:
+        (root / "ckpt").mkdir()
+        (root / "ckpt" / "big.bin").write_bytes(os.urandom(big))
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "init")
+    (root / "untracked_new.py").write_text("new\n")
+    return root
+
+
+EXPECTED = {"train.py", "src/model.py", "src/util/io.py", "configs/a.yaml", "gone.txt", ".gitignore",
+            ".corralignore", "model_link.py", "dangling", "untracked_new.py"}
+
+
+def test_git_project_file_list(tmp_path: Path) -> None:
+    root = make_project(tmp_path / "p")
+    (root / "gone.txt").unlink()  # deleted but still in git's index
+    units = filelist.build_units(root / "src")  # from a subdirectory: the whole repository
+    assert len(units) == 1 and units[0].root == root and units[0].git
+    assert set(units[0].paths) == EXPECTED - {"gone.txt"}
+    assert units[0].dest == str(root)
+
+
+def test_walk_outside_git_honours_gitignore_files_and_negation(tmp_path: Path) -> None:
+    root = tmp_path / "plain"
+    for rel in ("a.py", "sub/b.py", "sub/b.dat", "sub/keep.dat", "runs/x", "deep/sub/c.dat"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(rel)
+    (root / "sub" / ".gitignore").write_text("*.dat\n!keep.dat\n")
+    (root / ".corralignore").write_text("deep/\n")
+    units = filelist.build_units(root)
+    assert not units[0].git
+    assert set(units[0].paths) == {"a.py", "sub/b.py", "sub/keep.dat", "sub/.gitignore", ".corralignore"}
+
+
+def test_named_paths_narrow_the_project_and_an_ignored_dir_is_walked(tmp_path: Path) -> None:
+    root = make_project(tmp_path / "p")
+    units = filelist.build_units(root, ("data", "app.log", "src/util"))
+    assert [u.root for u in units] == [root]
+    assert set(units[0].paths) == {"data/shard0.bin", "app.log", "src/util/io.py"}
+    outside = tmp_path / "datasets" / "wiki"
+    outside.mkdir(parents=True)
+    (outside / "part0").write_text("w")
+    (outside / "__pycache__").mkdir()
+    (outside / "__pycache__" / "x.pyc").write_text("no")
+    units = filelist.build_units(root, (str(outside),), to="/srv")
+    assert units[0].root == outside.parent and units[0].dest == "/srv" and units[0].paths == ("wiki/part0",)
+    with pytest.raises(Exception, match="absolute"):
+        filelist.build_units(root, (), to="relative/dir")
+
+
+def test_extra_files_that_ignore_rules_match_are_protected(tmp_path: Path) -> None:
+    root = make_project(tmp_path / "p")
+    unit = filelist.build_units(root)[0]
+    extras = ["runs/new/rank0.log", "data/shard9.bin", "x.log", "stray.py", "src/__pycache__/a.pyc"]
+    assert filelist.protected(unit, extras) == {"runs/new/rank0.log", "data/shard9.bin", "x.log",
+                                                "src/__pycache__/a.pyc"}
+
+
+# ---------------------------------------------------------------------------
+# manifests, tree hash, stat cache, node-side calls run here
+
+
+def test_manifest_describes_links_by_target_and_mode_matters(tmp_path: Path) -> None:
+    root = make_project(tmp_path / "p")
+    paths = sorted(EXPECTED)
+    m1 = nodetree.manifest(str(root), paths)
+    assert m1["entries"]["model_link.py"][0] == "l"
+    assert m1["entries"]["dangling"][3] == hashlib.sha256(b"/nonexistent/elsewhere").hexdigest()
+    assert m1["entries"]["train.py"][1] == 0o755
+    os.chmod(root / "train.py", 0o644)
+    assert nodetree.manifest(str(root), paths)["hash"] != m1["hash"]
+
+
+def test_stat_cache_is_used_and_never_hides_a_rewrite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "t"
+    root.mkdir()
+    f = root / "w.bin"
+    f.write_bytes(b"A" * 1000)
+    first = nodetree.manifest(str(root), ["w.bin"])
+    reads: list[str] = []
+    real = nodetree.file_digest
+    monkeypatch.setattr(nodetree, "file_digest", lambda p: reads.append(p) or real(p))
+    assert nodetree.manifest(str(root), ["w.bin"])["hash"] == first["hash"] and reads == []
+    st = f.stat()
+    f.write_bytes(b"B" * 1000)  # same size, and the mtime put back: only ctime tells
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert nodetree.manifest(str(root), ["w.bin"])["hash"] != first["hash"] and len(reads) == 1
+
+
+def test_status_and_delete_on_a_tree(tmp_path: Path) -> None:
+    head = make_project(tmp_path / "head")
+    node = tmp_path / "node"
+    paths = sorted(EXPECTED)
+    want = nodetree.manifest(str(head), paths)["entries"]
+    subprocess.run(["cp", "-a", f"{head}/.", str(node)], check=True)
+    (node / "src" / "model.py").write_text("x = 2\n")
+    (node / "gone.txt").unlink()
+    (node / "extra" / "deep").mkdir(parents=True)
+    (node / "extra" / "deep" / "e.txt").write_text("e")
+    (tmp_path / "outside.txt").write_text("must survive")
+    os.symlink(str(tmp_path), node / "escape")
+    [st] = nodetree.status([{"root": str(node), "expected": want, "scope": [""]}], dry_run=True)
+    assert st["differ"] == {"src/model.py": "content", "gone.txt": "missing"}
+    assert "extra/deep/e.txt" in st["extra"] and "escape" in st["extra"]
+    assert nodetree.delete(str(node), ["extra/deep/e.txt", "escape/outside.txt"]) == 1
+    assert not (node / "extra").exists() and (tmp_path / "outside.txt").exists()
+
+
+def test_rsync_helpers() -> None:
+    assert rsh_word("ControlPath=/x/%C") == "ControlPath=/x/%C"
+    assert rsh_word("IdentityFile=/my keys/id") == "'IdentityFile=/my keys/id'"
+    assert parse_progress(b"     32,768  12%   31.25MB/s    0:00:00 (xfr#1, to-chk=0/1)") == 32768
+    assert parse_progress(b"sending incremental file list") is None
+
+
+# ---------------------------------------------------------------------------
+# the whole command, locally (no root): this machine to another directory
+
+
+def _tree(root: Path) -> dict[str, list]:
+    """An independent description: relative path -> [kind, mode, sha256 or link target]."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ["l", os.readlink(p)]
+            else:
+                out[rel] = ["f", oct(p.stat().st_mode & 0o777), hashlib.sha256(p.read_bytes()).hexdigest()]
+    return out
+
+
+def test_local_sync_to_another_directory(tmp_path: Path) -> None:
+    root = make_project(tmp_path / "p")
+    dest = tmp_path / "copy"
+    res = subprocess.run([*CORRAL, "sync", "--to", str(dest), "--json"], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["ok"] and report["mode"] == "star"
+    want = {k: v for k, v in _tree(root).items() if k in EXPECTED}
+    assert _tree(dest) == want
+
+
+# ---------------------------------------------------------------------------
+# on the sandbox
+
+_NODE_TREE = r"""
+import hashlib, json, os, sys
+root = sys.argv[1]
+out = {}
+for dirpath, dirs, files in os.walk(root):
+    for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
+        p = os.path.join(dirpath, name)
+        rel = os.path.relpath(p, root)
+        if os.path.islink(p):
+            out[rel] = ["l", os.readlink(p)]
+        else:
+            out[rel] = ["f", oct(os.stat(p).st_mode & 0o777), hashlib.sha256(open(p, "rb").read()).hexdigest()]
+print(json.dumps(out))
+"""
+
+
+def node_tree(sb, node: str, root: Path) -> dict[str, list]:
+    proc = sb.exec(node, [sys.executable, "-I", "-c", _NODE_TREE, str(root)], check=True)
+    return json.loads(proc.stdout)
+
+
+def corral_sync(root: Path, cluster: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CORRAL, "sync", "-c", str(cluster), *args], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Under /tmp: private to each sandbox node, so every node starts empty.
+    return make_project(tmp_path_factory.mktemp("sync") / "proj", big=6 * MiB)
+
+
+def _expected(root: Path, names: set[str]) -> dict[str, list]:
+    return {k: v for k, v in _tree(root).items() if k in names}
+
+
+@pytest.mark.sandbox
+def test_sync_a_project_and_verify_every_node(sandbox, project: Path) -> None:
+    res = corral_sync(project, sandbox.cluster_file, "--pipeline-min", "1M", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["ok"] and len({n["hash"] for n in report["nodes"].values()}) == 1
+    # The sandbox nodes cannot log in to each other: the star, and it says so.
+    assert "cannot log in to each other" in res.stderr and report["mode"] == "star"
+    assert any("cannot log in to each other" in n for n in report["notes"])
+    want = _expected(project, EXPECTED | {"ckpt/big.bin"})
+    for node in sandbox.nodes:
+        assert node_tree(sandbox, node, project) == want, node
+
+
+@pytest.mark.sandbox
+def test_deletions_links_and_a_changed_large_file_with_delete(sandbox, project: Path) -> None:
+    first, last = sandbox.nodes[0], sandbox.nodes[-1]
+    for rel, text in (("runs/r1/rank0.log", "node output"), ("data/local.bin", "node data"), ("stray.py", "old")):
+        sandbox.exec(first, ["sh", "-c", f"mkdir -p $(dirname {project}/{rel}) && echo {text!r} > {project}/{rel}"],
+                     check=True)
+    (project / "gone.txt").unlink()
+    with open(project / "ckpt" / "big.bin", "r+b") as fh:  # same size, a few bytes changed
+        fh.seek(3 * MiB)
+        fh.write(b"changed!")
+    os.unlink(project / "model_link.py")
+    os.symlink("src/util/io.py", project / "model_link.py")
+    dry = corral_sync(project, sandbox.cluster_file, "--delete", "--dry-run", "-v")
+    assert dry.returncode == 0, dry.stderr
+    assert "would delete 1" in dry.stdout and f"- {project}/stray.py" in dry.stdout
+    assert f"- {project}/gone.txt" in dry.stdout  # gone from the list, so extra on the nodes
+    assert node_tree(sandbox, last, project)["gone.txt"]  # dry run: still there
+    res = corral_sync(project, sandbox.cluster_file, "--delete", "--json")
+    assert res.returncode == 0, res.stderr
+    want = _expected(project, EXPECTED - {"gone.txt"} | {"ckpt/big.bin"})
+    for node in sandbox.nodes:
+        got = node_tree(sandbox, node, project)
+        kept = {k: v for k, v in got.items() if k.startswith(("runs/", "data/"))}
+        assert {k: v for k, v in got.items() if k not in kept} == want, node
+        if node == first:  # ignored files on a node are outputs: never deleted
+            assert set(kept) == {"runs/r1/rank0.log", "data/local.bin"}
+
+
+@pytest.mark.sandbox
+def test_dry_run_changes_nothing(sandbox, project: Path) -> None:
+    (project / "configs" / "b.yaml").write_text("lr: 2\n")
+    before = {n: node_tree(sandbox, n, project) for n in sandbox.nodes}
+    res = corral_sync(project, sandbox.cluster_file, "--delete", "--dry-run")
+    assert res.returncode == 0 and "would copy 1 file(s)" in res.stdout
+    assert {n: node_tree(sandbox, n, project) for n in sandbox.nodes} == before
+    assert corral_sync(project, sandbox.cluster_file).returncode == 0
+
+
+@pytest.mark.sandbox
+def test_a_node_that_differs_is_named(sandbox, project: Path) -> None:
+    victim = sandbox.nodes[2]
+    sandbox.exec(victim, ["sh", "-c", f"echo tampered >> {project}/src/model.py"], check=True)
+    res = corral_sync(project, sandbox.cluster_file, "--check")
+    assert res.returncode == 3
+    assert f"{victim}: tree hash" in res.stderr and f"{project}/src/model.py (differs)" in res.stderr
+    for other in set(sandbox.nodes) - {victim}:
+        assert f"{other}:" not in res.stderr
+    fixed = corral_sync(project, sandbox.cluster_file)
+    assert fixed.returncode == 0 and "verified" in fixed.stdout
+    assert corral_sync(project, sandbox.cluster_file, "--check").returncode == 0
+
+
+@pytest.mark.sandbox
+def test_unchanged_tree_is_up_to_date(sandbox, project: Path) -> None:
+    res = corral_sync(project, sandbox.cluster_file, "--json")
+    assert res.returncode == 0
+    report = json.loads(res.stdout)
+    assert report["mode"] == "up to date" and report["bytes_sent"] == 0
+
+
+@pytest.mark.sandbox
+def test_run_sync_syncs_before_launching(sandbox, project: Path) -> None:
+    (project / "marker.txt").write_text("synced-by-run\n")
+    res = subprocess.run([*CORRAL, "run", "--sync", "-c", str(sandbox.cluster_file), "--launcher", "command",
+                          "cat", "marker.txt"], cwd=project, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "sync: every node has tree" in res.stderr
+    assert res.stdout.count("synced-by-run") == len(sandbox.nodes)
+
+
+@pytest.fixture(scope="module")
+def mesh_sandbox(tmp_path_factory: pytest.TempPathFactory):
+    """Three nodes that can log in to each other (after `corral ssh setup`)."""
+    if not ROOT:
+        pytest.skip("the sandbox needs root (network/PID/mount namespaces); CI runs as root")
+    from corral.sandbox import Sandbox
+
+    tag = f"y{os.getpid()}"
+    sb = Sandbox(name=f"{tag}-sync", prefix=f"{tag}n", state_dir=tmp_path_factory.mktemp("meshsb") / "state")
+    try:
+        sb.up(3, with_keys=True)
+        res = subprocess.run([*CORRAL, "ssh", "setup", "-c", str(sb.cluster_file), "--json"], capture_output=True,
+                             text=True, timeout=300, cwd=REPO)
+        assert res.returncode == 0, res.stderr
+        yield sb
+    finally:
+        sb.down()
+
+
+@pytest.mark.sandbox
+def test_large_files_stream_node_to_node(mesh_sandbox, tmp_path_factory: pytest.TempPathFactory) -> None:
+    root = make_project(tmp_path_factory.mktemp("chain") / "proj", big=12 * MiB)
+    res = corral_sync(root, mesh_sandbox.cluster_file, "--pipeline-min", "4M", "--json")
+    assert res.returncode == 0, res.stderr
+    assert "stream node to node" in res.stderr and json.loads(res.stdout)["mode"] == "chain+star"
+    want = _expected(root, EXPECTED | {"ckpt/big.bin"})
+    for node in mesh_sandbox.nodes:
+        assert node_tree(mesh_sandbox, node, root) == want, node
