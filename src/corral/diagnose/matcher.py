@@ -137,7 +137,8 @@ class Matcher:
     def feed_text(self, raw: str, *, host: str | None = None, rank: int | None = None) -> None:
         """Feed one raw output line as it arrives (live runs).
 
-        ``host``/``rank`` say where it came from when the line itself does not.
+        ``host``/``rank`` say where it came from; they win over what a prefix
+        inside the line claims, like a per-rank log file's path does.
         """
         self._count += 1
         for line in parse(raw, self._count):
