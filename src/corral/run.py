@@ -517,7 +517,8 @@ def _diagnose(text: str, failure: Failure) -> tuple[Any, ...]:
     except ImportError:
         return ()
     try:
-        return tuple(diagnose_text(text, origin=failure.host)[:3])
+        return tuple(diagnose_text(text, origin=f"{failure.host} (live)", host=failure.host,
+                                   rank=failure.rank)[:3])
     except Exception as e:  # diagnosis must never hide the failure itself
         log.debug("diagnosis failed: %s", e)
         return ()

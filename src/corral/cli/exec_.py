@@ -1,11 +1,85 @@
-"""`corral exec` (not implemented yet in this version)."""
+"""`corral exec`: run a shell command on every node, folding identical output."""
+
+from __future__ import annotations
+
+import json
+import sys
 
 import click
+from rich.markup import escape
 
-from corral.errors import NotImplementedYet
+from corral import ui
+from corral.asyncutil import run_interruptible
+from corral.cli.common import ClusterOptions, cluster_options
+from corral.errors import UsageError
+from corral.fanout import command_line, run_everywhere
+from corral.gather import group_results
 
 
-@click.command(name="exec", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def exec_() -> None:
-    """Not implemented yet in this version of corral."""
-    raise NotImplementedYet("`corral exec` is not implemented yet in this version of corral.")
+@click.command(name="exec", context_settings={"ignore_unknown_options": True,
+                                              "allow_interspersed_args": False})
+@cluster_options
+@click.option("--timeout", type=click.FloatRange(min=0.1), default=None,
+              help="Stop the command on hosts where it runs longer than this (seconds).")
+@click.option("-f", "--fanout", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Hosts contacted at once.")
+@click.option("--no-fold", is_flag=True,
+              help="Stream lines live as 'host: line' (like pdsh) instead of folding identical output.")
+@click.option("--json", "as_json", is_flag=True, help="Per-host results as JSON.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_fold: bool,
+          as_json: bool, command: tuple[str, ...]) -> None:
+    """Run COMMAND through the shell on every node, in parallel.
+
+    \b
+      corral exec -c hostfile -- nvidia-smi -L
+      corral exec -H gpu[01-16] -- 'df -h /data | tail -1'
+
+    Identical outputs are printed once under a folded host set
+    (node[1-3,5]); hosts that answered differently are shown apart.  The
+    exit code is the largest of all hosts' (255: a host was unreachable).
+    Ctrl-C stops the command on every node.
+    """
+    text = command_line(command).strip()
+    if not text:
+        raise UsageError("no command given", hint="corral exec -- COMMAND")
+    cluster = cluster_opts.load(notice=not as_json)
+
+    def live(host: str, stream: str, line: str) -> None:
+        target = sys.stdout if stream == "out" else sys.stderr
+        target.write(f"{host}: {line}\n")
+        target.flush()
+
+    results = run_interruptible(run_everywhere(cluster, text, timeout=timeout, fanout=fanout,
+                                               on_line=live if no_fold and not as_json else None))
+    code = max((r.returncode for r in results), default=0)
+    if as_json:
+        click.echo(json.dumps([
+            {"host": r.host, "returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr,
+             "error": r.error.message if r.error else None, "hint": r.error.hint if r.error else None}
+            for r in results
+        ], indent=2))
+        sys.exit(code)
+    con = ui.console()
+    err = ui.err_console()
+    if not no_fold:
+        for g in group_results(results):
+            rc = "" if g.returncode == 0 else f" [red](exit {g.returncode})[/]"
+            con.print(f"[bold cyan]----- {escape(g.label)} ({len(g.hosts)}){rc} -----[/]")
+            if g.error:
+                con.print(f"[red]{escape(g.error)}[/]")
+            if g.stdout:
+                sys.stdout.write(g.stdout if g.stdout.endswith("\n") else g.stdout + "\n")
+                sys.stdout.flush()
+            if g.stderr:
+                con.print(escape(g.stderr.rstrip("\n")), style="dim")
+    for r in results:
+        if r.error is not None and r.error.hint:
+            err.print(f"[yellow]HINT[/] {escape(r.host)}: {escape(r.error.hint)}")
+            break
+    failed = [r.host for r in results if not r.ok]
+    if failed:
+        from corral.hostrange import fold
+
+        err.print(f"corral: {len(failed)} of {len(results)} host(s) failed: {escape(fold(failed))}")
+    sys.exit(code)

@@ -1,0 +1,93 @@
+"""`corral exec`: one command on every node, folded output, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from corral.fanout import HostResult
+from corral.gather import group_results
+
+CORRAL = [sys.executable, "-m", "corral"]
+
+
+def test_identical_answers_fold_under_a_host_set() -> None:
+    results = [HostResult(host=f"node{i}", returncode=0, stdout="GPU 0: H100\n") for i in (1, 2, 3, 5)]
+    results.insert(3, HostResult(host="node4", returncode=0, stdout="No devices found\n"))
+    groups = group_results(results)
+    assert [(g.label, g.stdout) for g in groups] == [
+        ("node[1-3,5]", "GPU 0: H100\n"), ("node4", "No devices found\n")]
+
+
+def test_exit_codes_split_groups() -> None:
+    groups = group_results([HostResult(host="a1", returncode=0), HostResult(host="a2", returncode=1)])
+    assert len(groups) == 2
+
+
+def test_local_exec_and_exit_code(tmp_path: Path) -> None:
+    res = subprocess.run(CORRAL + ["exec", "--json", "--", "echo hi; exit 3"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3
+    [row] = json.loads(res.stdout)
+    assert row["stdout"] == "hi\n" and row["returncode"] == 3
+
+
+@pytest.mark.sandbox
+def test_exec_folds_sandbox_nodes(sandbox) -> None:
+    odd = sandbox.nodes[2]
+    res = subprocess.run(
+        CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--",
+                  f'if [ "$(hostname)" = {odd} ]; then echo different; exit 4; else echo same; fi'],
+        capture_output=True, text=True, timeout=60)
+    assert res.returncode == 4
+    others = [n for n in sandbox.nodes if n != odd]
+    from corral.hostrange import fold
+    assert f"----- {fold(others)} (3) -----\nsame\n" in res.stdout
+    assert f"----- {odd} (1) (exit 4) -----\ndifferent\n" in res.stdout
+
+
+@pytest.mark.sandbox
+def test_unreachable_node_is_named_and_others_answer(sandbox, tmp_path: Path) -> None:
+    ghost = sandbox.addresses[sandbox.nodes[0]].rsplit(".", 1)[0] + ".251"
+    cluster = tmp_path / "c.toml"
+    cluster.write_text(sandbox.cluster_file.read_text() + f'\n[[hosts]]\nname = "ghost"\naddress = "{ghost}"\n')
+    res = subprocess.run(CORRAL + ["exec", "-c", str(cluster), "--json", "--", "hostname"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 255
+    rows = {r["host"]: r for r in json.loads(res.stdout)}
+    assert all(rows[n]["stdout"].strip() == n for n in sandbox.nodes)
+    assert "unreachable" in rows["ghost"]["error"] or "refused" in rows["ghost"]["error"]
+
+
+def _count(sandbox, pattern: str) -> int:
+    return sum(sandbox.exec(n, ["sh", "-c", f"ps -eo args | grep -c '[{pattern[0]}]{pattern[1:]}' || true"]
+                            ).stdout.strip() not in ("", "0") for n in sandbox.nodes)
+
+
+@pytest.mark.sandbox
+def test_timeout_and_ctrl_c_leave_nothing_on_nodes(sandbox) -> None:
+    # A command that ignores SIGTERM, stopped by --timeout.
+    res = subprocess.run(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--timeout", "1", "--",
+                                   "trap '' TERM; sleep 41"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 124 and "did not finish within 1s" in res.stdout
+    assert _count(sandbox, "sleep 41") == 0
+    # Ctrl-C while every node runs a command.
+    proc = subprocess.Popen(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--", "sleep 42"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while _count(sandbox, "sleep 42") < len(sandbox.nodes):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=20)
+    assert proc.returncode == 130
+    deadline = time.monotonic() + 10
+    while _count(sandbox, "sleep 42"):
+        assert time.monotonic() < deadline, "commands left running after Ctrl-C"
+        time.sleep(0.2)
