@@ -24,18 +24,21 @@ import asyncio
 import ipaddress
 import logging
 import signal
-import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from corral.agent.bundle import hook_source
 from corral.agent.session import AgentPool, AgentSession
-from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, HostError, PreflightError
+from corral.control import collect_stacks, control_path, serve
+from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED
 from corral.logs import RunLogs
-from corral.model import Cluster, Host
+from corral.model import Cluster
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan
+from corral.preflight import choose_master, preflight
+from corral.stacks import fold_ranks, stack_report
 from corral.watch import Failure, JobWatch, Sink
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,8 @@ class RunOptions:
     connect_timeout: float = 10.0
     #: Keep the node-side temp dir (rank files) after the run, for debugging.
     keep_node_tmp: bool = False
+    #: No output from any rank for this long = a hang: dump every rank's stack, stop.
+    hang_timeout: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +72,8 @@ class RunResult:
     diagnoses: tuple[Any, ...] = ()
     attempts: int = 1
     duration_s: float = 0.0
+    #: The merged stack tree, when a hang was detected.
+    stacks: tuple[str, ...] = ()
 
 
 class RunView(Sink, Protocol):
@@ -94,145 +101,6 @@ class _LogSink:
 
     def status(self, host: str, rank: int | None, text: str) -> None:
         self.logs.status(host, rank, text)
-
-
-# ---------------------------------------------------------------------------
-# preflight
-
-
-def _needs_path_check(spec: RunSpec) -> bool:
-    return not spec.module and (spec.launcher != "command" or spec.program.endswith(".py"))
-
-
-def _workdir(spec: RunSpec, cluster: Cluster, host: Host, head_cwd: str) -> str:
-    return spec.workdir or cluster.workdir_for(host) or head_cwd
-
-
-async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: str) -> dict[str, dict]:
-    """One round trip per node; every problem on every node in one error."""
-    from corral.launchers import PLANNERS, NodeContext
-
-    # The launcher's required module does not depend on the node.
-    probe_ctx = NodeContext(python="python3", program=spec.program, args=(), module=spec.module,
-                            node_rank=0, nnodes=1, nproc=1, master_addr="x", master_port=1,
-                            hostnames=("x",))
-    required = PLANNERS[spec.launcher](probe_ctx).requires
-    first = cluster.hosts[0].name
-
-    def args_for(s: AgentSession) -> dict:
-        return {
-            "workdir": _workdir(spec, cluster, s.host, head_cwd),
-            "paths": [spec.program] if _needs_path_check(spec) else [],
-            "modules": [required] if required else [],
-            "want_port": s.name == first and spec.master_port is None,
-        }
-
-    results = await pool.call_all("probes.preflight", args_for, timeout=30)
-    problems: list[HostError] = []
-    for s in pool.sessions:
-        r = results[s.name]
-        wd = r.get("workdir") or {}
-        if wd and not wd.get("exists"):
-            problems.append(HostError(
-                s.name, f"working directory {wd.get('path')} does not exist",
-                hint="copy the project there first (`corral sync`, or `corral run --sync`), "
-                     "or choose another with --workdir / `workdir` in the cluster file",
-                kind="no-workdir"))
-            continue
-        for missing in r.get("missing", []):
-            problems.append(HostError(
-                s.name, f"{missing} not found in {wd.get('path')}",
-                hint="sync the project to every node (`corral sync`) or check the path",
-                kind="no-script"))
-        for mod, ok in (r.get("modules") or {}).items():
-            if not ok:
-                problems.append(HostError(
-                    s.name, f"{r.get('executable')} cannot import {mod} (needed by --launcher {spec.launcher})",
-                    hint=f"install {mod} in that environment, or point `python` for this host at the "
-                         "interpreter that has it (cluster file)",
-                    kind="no-module"))
-    if problems:
-        raise PreflightError(problems, what="preflight")
-    return results
-
-
-# ---------------------------------------------------------------------------
-# rendezvous address
-
-
-def _head_view(host: Host) -> set[str]:
-    """Addresses the head itself resolves ``host`` to (its likely cluster IP)."""
-    out = set()
-    for name in {host.address, host.name} - {None}:
-        try:
-            for info in socket.getaddrinfo(name, None, socket.AF_INET):  # type: ignore[arg-type]
-                out.add(info[4][0])
-        except OSError:
-            pass
-    return out
-
-
-def master_candidates(host0: Host, probe0: dict, peers: list[dict]) -> list[str]:
-    """Node 0's addresses, most likely to be reachable by every peer first."""
-    addrs = probe0.get("addresses") or []
-    head_view = _head_view(host0)
-
-    def shared_subnets(a: dict) -> int:
-        net = ipaddress.ip_network(f"{a['address']}/{a['prefix']}", strict=False)
-        return sum(
-            any(ipaddress.ip_address(p["address"]) in net for p in (peer.get("addresses") or []))
-            for peer in peers
-        )
-
-    def key(a: dict) -> tuple:
-        return (a["address"] not in head_view, -shared_subnets(a))
-
-    ordered = [a["address"] for a in sorted(addrs, key=key)]
-    for extra in sorted(head_view):
-        if extra not in ordered and not extra.startswith("127."):
-            ordered.append(extra)
-    return ordered
-
-
-async def choose_master(pool: AgentPool, probes: Mapping[str, dict], port: int) -> str:
-    """An address of node 0 that every other node reaches on ``port``."""
-    s0 = pool.sessions[0]
-    others = pool.sessions[1:]
-    if not others:
-        return "127.0.0.1"
-    candidates = master_candidates(s0.host, probes[s0.name], [probes[s.name] for s in others])
-    if not candidates:
-        raise PreflightError([HostError(s0.name, "has no network address other nodes could use",
-                                        kind="no-address")], what="rendezvous")
-    opened = await s0.call("probes.listen_start", addresses=candidates, port=port, seconds=30)
-    if not opened["bound"]:
-        detail = "; ".join(f"{a}: {e}" for a, e in opened["errors"].items())
-        raise PreflightError([HostError(s0.name, f"cannot listen on port {port} ({detail})",
-                                        hint="choose another --master-port", kind="port")],
-                             what="rendezvous")
-    try:
-        reach = await asyncio.gather(*(
-            s.call("probes.connect", addresses=opened["bound"], port=port, timeout=3.0) for s in others
-        ))
-    finally:
-        await s0.call("probes.listen_stop", port=port)
-    for addr in opened["bound"]:
-        if all(r.get(addr) == "ok" for r in reach):
-            return addr
-    problems = []
-    for s, r in zip(others, reach):
-        failed = {a: e for a, e in r.items() if e != "ok"}
-        if len(failed) == len(opened["bound"]):
-            detail = ", ".join(f"{a} ({e})" for a, e in failed.items())
-            problems.append(HostError(
-                s.name, f"cannot reach {s0.name} on port {port} at any of its addresses: {detail}",
-                hint="a firewall or a separate network is in the way; `corral doctor` shows the "
-                     "TCP reachability matrix", kind="unreachable-peer"))
-    if not problems:  # each address is reachable by some, none by all
-        problems.append(HostError(s0.name, "no single address of it is reachable from every node",
-                                  hint="`corral doctor` shows which node reaches which address",
-                                  kind="unreachable-peer"))
-    raise PreflightError(problems, what="rendezvous")
 
 
 # ---------------------------------------------------------------------------
@@ -268,6 +136,7 @@ class Runner:
         self.logs: RunLogs | None = None
         self.attempt: _Attempt | None = None
         self.interrupts = 0
+        self.hang_stacks: tuple[str, ...] = ()
         self._wake: asyncio.Event | None = None
         self.started = time.time()
 
@@ -302,14 +171,50 @@ class Runner:
     async def run(self) -> RunResult:
         self._wake = asyncio.Event()
         installed = self._install_signals()
+        self.control = control_path(self.spec.run_id)
+        server = await serve(self.control, self._control_request)
         try:
             return await self._run()
         finally:
+            server.close()
+            self.control.unlink(missing_ok=True)
             loop = asyncio.get_running_loop()
             for sig in installed:
                 loop.remove_signal_handler(sig)
             if self.logs is not None:
                 self.logs.close()
+
+    async def _control_request(self, request: str) -> dict:
+        """`corral stacks RUN` from another process."""
+        if request != "stacks":
+            return {"error": f"unknown request {request!r}"}
+        if self.attempt is None:
+            return {"error": "the job has not started yet"}
+        dumps = await collect_stacks(self.attempt.pool)
+        return {"run_id": self.spec.run_id, "world_size": self.attempt.plan.world_size,
+                "stacks": {str(k): v for k, v in dumps.items()}}
+
+    async def _hang(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
+        """No rank made progress: show where every rank is, then fail the job."""
+        assert self.logs is not None
+        self.view.message(f"no rank wrote anything for {silent:.0f}s: collecting every rank's Python stack")
+        dumps = await collect_stacks(pool)
+        lines, odd = stack_report(dumps, watch.plan.world_size)
+        path = self.logs.dir / f"stacks-{time.strftime('%H%M%S')}.txt"
+        path.write_text("\n".join(lines) + "\n\n" + "\n".join(
+            f"===== rank {r} =====\n{t}" for r, t in sorted(dumps.items())))
+        for line in lines:
+            self.view.message(line)
+        self.hang_stacks = tuple(lines)
+        where = ""
+        if odd:
+            rank = min(odd)
+            node = watch.plan.node_of_rank(rank)
+            where = f"; {fold_ranks(odd)} elsewhere than the others"
+            watch.hang(node.host.name if node else watch.plan.nodes[0].host.name, rank,
+                       f"no progress for {silent:.0f}s{where} (stacks: {path})")
+        else:
+            watch.hang(watch.plan.nodes[0].host.name, None, f"no progress for {silent:.0f}s (stacks: {path})")
 
     async def _run(self) -> RunResult:
         attempts = 0
@@ -422,6 +327,9 @@ class Runner:
                     watch.lose(s.name, f"no heartbeat for {s.silent_for():.0f}s (network partition, "
                                        "frozen or crashed host)")
                     await s.kill()
+            hang = self.options.hang_timeout
+            if hang and stopping_since is None and not watch.failed and now - watch.last_progress > hang:
+                await self._hang(pool, watch, now - watch.last_progress)
             if stopping_since is None and (watch.failed or self.interrupts):
                 cause = None if self.interrupts else watch.root_cause()
                 reason = "interrupted" if cause is None else cause.describe()
@@ -469,7 +377,7 @@ class Runner:
         tail: tuple[str, ...] = ()
         diagnoses: tuple[Any, ...] = ()
         failure_log = None
-        if failure is not None:
+        if failure is not None and failure.kind != "hang":  # a hang's story is its stacks
             tail = tuple(watch.tail_for(failure))
             failure_log = self.logs.path_for(failure.host, failure.rank)
             diagnoses = _diagnose(watch.text_for_diagnosis(failure), failure)
@@ -477,7 +385,7 @@ class Runner:
         return RunResult(
             run_id=plan.run_id, status=status, exit_code=code, run_dir=self.logs.dir, plan=plan,
             failure=failure, failure_tail=tail, failure_log=failure_log, diagnoses=diagnoses,
-            attempts=attempts, duration_s=duration,
+            attempts=attempts, duration_s=duration, stacks=self.hang_stacks,
         )
 
     def _record(self, plan: LaunchPlan, status: str, failure: Failure | None, attempts: int,
@@ -494,6 +402,7 @@ class Runner:
             "program": self.spec.program,
             "args": list(self.spec.args),
             "master_addr": plan.master_addr,
+            "control": str(self.control) if status == "running" else None,
             "master_port": plan.master_port,
             "world_size": plan.world_size,
             "cluster": {"source": self.cluster.source, "name": self.cluster.name},
@@ -519,7 +428,7 @@ def _diagnose(text: str, failure: Failure) -> tuple[Any, ...]:
     try:
         return tuple(diagnose_text(text, origin=f"{failure.host} (live)", host=failure.host,
                                    rank=failure.rank)[:3])
-    except Exception as e:  # diagnosis must never hide the failure itself
+    except Exception as e:  # noqa: BLE001 - diagnosis must never hide the failure itself
         log.debug("diagnosis failed: %s", e)
         return ()
 

@@ -17,6 +17,7 @@ import collections
 import itertools
 import re
 import signal as _signal
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,7 +32,7 @@ _PEER_FAILURE = re.compile(
     r"NCCL communicator was aborted|remote process exited|RendezvousClosedError|"
     r"RendezvousConnectionError|ncclRemoteError|Socket Timeout|recvValue|recvBytes|"
     r"failed to recv|Connection refused|ECONNRESET|EPIPE",
-    re.I,
+    re.IGNORECASE,
 )
 _TERMINATED = {int(_signal.SIGTERM), int(_signal.SIGINT), int(_signal.SIGHUP)}
 
@@ -75,6 +76,8 @@ class Failure:
             return f"{self.host} was lost: {self.reason}"
         if self.kind == "start":
             return f"{where} could not start: {self.reason}"
+        if self.kind == "hang":
+            return f"the job hung: {self.reason}"
         how = None
         if self.signal is not None:
             how = f"killed by {self.signal_name}"
@@ -122,6 +125,8 @@ class JobWatch:
         #: Ranks terminated by a signal, held until their node's exit says whether it failed.
         self.soft: dict[str, list[Failure]] = {}
         self.stopping = False
+        #: When a rank last wrote anything (for --hang-timeout).
+        self.last_progress = time.monotonic()
         self._seq = itertools.count()
 
     # -- events ------------------------------------------------------------
@@ -131,6 +136,8 @@ class JobWatch:
         node = self.nodes.get(host)
         if node is None:
             return
+        if kind in ("line", "status") and ev.get("r") is not None:
+            self.last_progress = time.monotonic()
         if kind == "line":
             rank = ev.get("r")
             text = ev.get("t", "")
@@ -188,6 +195,10 @@ class JobWatch:
         node.lost = reason
         if not self.stopping:
             self._fail(Failure(host=host, rank=None, kind="lost", reason=reason))
+
+    def hang(self, host: str, rank: int | None, reason: str) -> None:
+        """No rank progressed for --hang-timeout (exit code 124, like timeout(1))."""
+        self._fail(Failure(host=host, rank=rank, kind="hang", code=124, reason=reason))
 
     def _fail(self, f: Failure) -> None:
         self.failures.append(Failure(**{**f.__dict__, "seq": next(self._seq)}))

@@ -616,6 +616,49 @@ class Agent:
         return 0
 
 
+#: The running agent, for functions called through the ``call`` op.
+AGENT = None
+
+
+def stacks(sig: int, timeout: float = 3.0) -> dict:
+    """Ask every rank on this node for its Python stacks; {rank: dump text}.
+
+    Only the pids the rank hook registered are signalled (never by name),
+    and only after the hook registered faulthandler on ``sig`` for them.
+    """
+    agent = AGENT
+    if agent is None or agent.tailer is None:
+        return {}
+    tailer = agent.tailer
+    log_dir = tailer.log_dir
+
+    def size(rank: int) -> int:
+        try:
+            return os.path.getsize(os.path.join(log_dir, "rank%d.stacks" % rank))
+        except OSError:
+            return 0
+
+    before = {rank: size(rank) for rank in tailer.pids}
+    asked = tailer.signal_ranks(int(sig))
+    deadline = time.monotonic() + float(timeout)
+    last = {}
+    while time.monotonic() < deadline:
+        now = {r: size(r) for r in asked}
+        if all(now[r] > before.get(r, 0) for r in asked) and now == last:
+            break  # every dump started, and none grew since the last look
+        last = now
+        time.sleep(0.1)
+    out = {}
+    for rank in asked:
+        try:
+            with open(os.path.join(log_dir, "rank%d.stacks" % rank), "rb") as f:
+                f.seek(before.get(rank, 0))
+                out[str(rank)] = f.read().decode("utf-8", "replace")
+        except OSError:
+            pass
+    return out
+
+
 def _on_term(signum, frame):  # pragma: no cover - exercised by head-death tests
     raise SystemExit(128 + signum)
 
@@ -650,6 +693,8 @@ def main(reader=None) -> int:
         uid=os.getuid(),
     )
     agent = Agent(chan, reader)
+    global AGENT
+    AGENT = agent
     code = 0
     try:
         code = agent.serve()

@@ -52,6 +52,9 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
               help="Seconds without a heartbeat before a node is declared lost and the job torn down.")
 @click.option("--grace", type=click.FloatRange(min=0), default=3.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping the job.")
+@click.option("--hang-timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+              help="If no rank writes anything for this long, dump every rank's Python stack "
+                   "(merged into one tree) and stop the job. See also `corral stacks`.")
 @click.option("--launcher-arg", "launcher_args", multiple=True, metavar="ARG",
               help="Extra argument for the launcher itself (e.g. --launcher-arg=--mixed_precision=bf16). Repeatable.")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -74,6 +77,7 @@ def run(
     ranks_spec: str,
     node_timeout: float,
     grace: float,
+    hang_timeout: float | None,
     launcher_args: tuple[str, ...],
     runs_dir: Path | None,
     sync_first: bool,
@@ -116,7 +120,7 @@ def run(
         return
     options = RunOptions(
         runs_dir=runs_dir or default_runs_dir(Path.cwd()), max_restarts=max_restarts,
-        node_timeout=node_timeout, grace=grace,
+        node_timeout=node_timeout, grace=grace, hang_timeout=hang_timeout,
     )
     view = RunConsole(multi_host=len(cluster.hosts) > 1, status_ranks=status_ranks)
     runner = Runner(cluster, spec, options, view=view, head_env=os.environ, head_cwd=os.getcwd())
@@ -197,6 +201,10 @@ def _summary(result: RunResult, as_json: bool) -> None:
               f"(attempt {result.attempts}): {escape(f.describe())} [dim](first failure)[/]")
     if f.exc:
         con.print(f"  [red]{escape(f.exc)}[/]")
+    if result.stacks:
+        con.print("  [bold]where every rank is:[/]")
+        for line in result.stacks:
+            con.print("  " + escape(line), soft_wrap=True)
     if result.failure_tail:
         con.print(f"  [dim]--- last lines of {escape(str(result.failure_log))} ---[/]")
         for line in result.failure_tail:
@@ -221,5 +229,6 @@ def _result_json(result: RunResult) -> dict:
             "description": f.describe(), "tail": list(result.failure_tail),
             "log": str(result.failure_log) if result.failure_log else None,
         },
+        "stacks": list(result.stacks),
         "diagnoses": [getattr(d, "id", str(d)) for d in result.diagnoses],
     }

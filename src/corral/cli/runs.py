@@ -1,11 +1,47 @@
-"""`corral runs` (not implemented yet in this version)."""
+"""`corral runs`: list runs and where their logs are."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
 
 import click
+from rich.markup import escape
+from rich.table import Table
 
-from corral.errors import NotImplementedYet
+from corral import ui
+from corral.logs import default_runs_dir
+from corral.runs import list_runs
 
 
-@click.command(name="runs", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def runs() -> None:
-    """Not implemented yet in this version of corral."""
-    raise NotImplementedYet("`corral runs` is not implemented yet in this version of corral.")
+@click.command(name="runs")
+@click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where run directories are. Default: $CORRAL_RUNS_DIR or ./runs.")
+@click.option("-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable list.")
+def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
+    """List the newest runs: status, launcher, ranks, duration, first failure."""
+    root = runs_dir or default_runs_dir(Path.cwd())
+    records = list_runs(root)[:limit]
+    if as_json:
+        click.echo(json.dumps([{"run_id": r.run_id, "dir": str(r.dir), **r.data} for r in records], indent=2))
+        return
+    if not records:
+        ui.notice(f"no runs in {root}")
+        return
+    table = Table(box=None)
+    table.add_column("run", no_wrap=True)
+    for col in ("status", "launcher", "ranks", "took", "program", "first failure"):
+        table.add_column(col)
+    for r in records:
+        d = r.data
+        took = f"{d['ended'] - d['started']:.0f}s" if d.get("ended") and d.get("started") else "-"
+        if r.status == "running" and d.get("started"):
+            took = f"{time.time() - d['started']:.0f}s…"
+        color = {"succeeded": "green", "failed": "red", "running": "cyan"}.get(r.status, "yellow")
+        fail = (d.get("failure") or {}).get("description") or ""
+        table.add_row(r.run_id, f"[{color}]{r.status}[/]", str(d.get("launcher", "")),
+                      str(d.get("world_size", "")), took, escape(str(d.get("program", ""))), escape(fail[:60]))
+    ui.console().print(table)
+    ui.notice(f"logs: {root}/<run>/<host>/rank<N>.log")

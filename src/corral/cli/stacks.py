@@ -1,11 +1,52 @@
-"""`corral stacks` (not implemented yet in this version)."""
+"""`corral stacks`: where every rank of a running job is, as one merged tree."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import click
+from rich.markup import escape
 
-from corral.errors import NotImplementedYet
+from corral import ui
+from corral.control import request
+from corral.errors import CorralError
+from corral.logs import default_runs_dir
+from corral.runs import find_run
+from corral.stacks import stack_report
 
 
-@click.command(name="stacks", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def stacks() -> None:
-    """Not implemented yet in this version of corral."""
-    raise NotImplementedYet("`corral stacks` is not implemented yet in this version of corral.")
+@click.command(name="stacks")
+@click.argument("run", required=False)
+@click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where run directories are. Default: $CORRAL_RUNS_DIR or ./runs.")
+@click.option("--json", "as_json", is_flag=True, help="Raw per-rank dumps as JSON.")
+def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
+    """Dump the Python stack of every rank of a running job, merged into a tree.
+
+    RUN is a run id (or its prefix) or a run directory; default: the newest
+    running run in ./runs.  Ranks with the same stack share a branch labelled
+    with their rank set, so the rank that is somewhere else stands out.  Works
+    without root or py-spy: the ranks dump themselves (faulthandler), even
+    while blocked in a collective.
+    """
+    rec = find_run(runs_dir or default_runs_dir(Path.cwd()), run)
+    if rec.status != "running" or not rec.data.get("control"):
+        raise CorralError(f"run {rec.run_id} is not running (status: {rec.status})",
+                          hint="stacks come from live ranks; for a finished run see `corral diagnose`")
+    answer = request(rec.data["control"], "stacks")
+    if "error" in answer:
+        raise CorralError(f"run {rec.run_id}: {answer['error']}")
+    dumps = {int(k): v for k, v in answer.get("stacks", {}).items()}
+    if as_json:
+        click.echo(json.dumps({"run_id": rec.run_id, "stacks": answer.get("stacks", {})}, indent=2))
+        return
+    lines, odd = stack_report(dumps, int(answer.get("world_size") or len(dumps)))
+    con = ui.console()
+    con.print(f"[bold]run {rec.run_id}[/]: {len(dumps)} rank(s) answered")
+    for line in lines:
+        con.print(escape(line), soft_wrap=True)
+    if odd:
+        from corral.stacks import fold_ranks
+
+        con.print(f"[yellow]{fold_ranks(odd)} not where the others are[/]")

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Fan-out: `corral exec hostname` vs `pdsh -R ssh` on a 32-node sandbox.
+
+    sudo .venv/bin/python bench/bench_fanout.py               # 32 nodes, 5 rounds
+    sudo .venv/bin/python bench/bench_fanout.py --nodes 16 --rounds 3
+
+Each round measures, on the same nodes:
+
+- pdsh:          ``pdsh -R ssh -f 64 -w <all> hostname`` (ssh settings via
+                 PDSH_SSH_ARGS_APPEND=-F <sandbox>/ssh_config);
+- corral cold:   ``corral exec -c <sandbox>/corral.toml -- hostname`` with no
+                 ssh master connection alive (a fresh control directory);
+- corral warm:   the same command again, riding on the multiplexed
+                 connections the cold run left (ControlPersist).
+
+The whole command is timed (corral's Python start-up included).  Goals:
+cold <= 1.0x pdsh, warm <= 0.3x pdsh (medians).  Run as root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from corral.sandbox import Sandbox
+
+BIN = Path(sys.executable).parent
+
+
+def timed(argv: list[str], env: dict[str, str], expect: int) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    took = time.perf_counter() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode != 0 or len(lines) < expect:
+        raise SystemExit(f"{argv[0]} failed (rc={proc.returncode}):\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+    return took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--keep", action="store_true", help="leave the sandbox up")
+    args = ap.parse_args()
+    sb = Sandbox(name="fanout", prefix="fo")
+    sb.up(args.nodes, with_keys=True)
+    home = Path(tempfile.mkdtemp(prefix="fanout-home-"))
+    try:
+        pdsh_env = dict(os.environ, PDSH_SSH_ARGS_APPEND=f"-F {sb.ssh_config}")
+        corral_env = dict(os.environ, HOME=str(home))
+        corral_env.pop("XDG_RUNTIME_DIR", None)
+        pdsh = ["pdsh", "-R", "ssh", "-f", "64", "-w", ",".join(sb.nodes), "hostname"]
+        corral = [str(BIN / "corral"), "exec", "-c", str(sb.cluster_file), "--", "hostname"]
+        # Warm the page cache and sshd once, so round 1 is not special.
+        timed(pdsh, pdsh_env, args.nodes)
+        rows = []
+        for i in range(args.rounds):
+            t_pdsh = timed(pdsh, pdsh_env, args.nodes)
+            _kill_masters(home)  # no master alive: a cold start
+            shutil.rmtree(home / ".cache", ignore_errors=True)
+            t_cold = timed(corral, corral_env, args.nodes)
+            t_warm = timed(corral, corral_env, args.nodes)
+            rows.append((t_pdsh, t_cold, t_warm))
+            print(f"  round {i + 1}: pdsh {t_pdsh:.2f}s  corral cold {t_cold:.2f}s  corral warm {t_warm:.2f}s")
+        p, c, w = (statistics.median(col) for col in zip(*rows))
+        print(f"\nFan-out to {args.nodes} nodes, `hostname` (median of {args.rounds} rounds):")
+        print(f"  pdsh -R ssh   {p:.2f}s")
+        print(f"  corral cold   {c:.2f}s   ratio {c / p:.2f}  (goal <= 1.00: {'met' if c / p <= 1.0 else 'MISSED'})")
+        print(f"  corral warm   {w:.2f}s   ratio {w / p:.2f}  (goal <= 0.30: {'met' if w / p <= 0.3 else 'MISSED'})")
+    finally:
+        _kill_masters(home)
+        shutil.rmtree(home, ignore_errors=True)
+        if not args.keep:
+            sb.down()
+
+
+def _kill_masters(home: Path) -> None:
+    """Stop the ssh master processes whose sockets live under ``home``."""
+    out = subprocess.run(["pgrep", "-f", f"{home}/.cache/corral/ssh"], capture_output=True, text=True).stdout
+    for pid in out.split():
+        try:
+            os.kill(int(pid), 15)
+        except OSError:
+            pass
+    time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    main()

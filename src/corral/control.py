@@ -1,0 +1,87 @@
+"""Reaching a running job from outside its head process: `corral stacks RUN`.
+
+The head of a run listens on a unix socket (job-scoped, mode 0600, in a
+private 0700 directory); ``corral stacks`` sends one request line and reads
+one JSON answer.  Only the user who started the run can connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from corral.agent.session import AgentPool
+from corral.errors import CorralError
+from corral.plan import STACK_SIGNAL
+
+
+def control_path(run_id: str) -> Path:
+    """A short path (unix sockets are limited to ~108 bytes)."""
+    base = Path(tempfile.gettempdir()) / f"corral-{os.getuid()}" / "ctl"
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(base, 0o700)
+    return base / f"{run_id}.sock"
+
+
+async def collect_stacks(pool: AgentPool, timeout: float = 3.0) -> dict[int, str]:
+    """faulthandler dumps of every rank on every node: {global rank: text}."""
+
+    async def one(s) -> dict[str, str]:
+        try:
+            return await s.call("node.stacks", sig=STACK_SIGNAL, timeout=timeout) or {}
+        except Exception:  # noqa: BLE001 - a lost node simply has no stacks
+            return {}
+
+    answers = await asyncio.gather(*(one(s) for s in pool.sessions if not s.closed))
+    out: dict[int, str] = {}
+    for answer in answers:
+        out.update({int(k): v for k, v in answer.items()})
+    return out
+
+
+Handler = Callable[[str], Awaitable[dict]]
+
+
+async def serve(path: Path, handler: Handler) -> asyncio.base_events.Server:
+    """Answer one JSON line per connection; the request is one word."""
+
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = (await asyncio.wait_for(reader.readline(), 5)).decode().strip()
+            answer = await handler(request)
+        except Exception as e:  # noqa: BLE001 - report to the client, keep serving
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        writer.write((json.dumps(answer) + "\n").encode())
+        await writer.drain()
+        writer.close()
+
+    if path.exists():
+        path.unlink()
+    server = await asyncio.start_unix_server(client, path=str(path))
+    os.chmod(path, 0o600)
+    return server
+
+
+def request(path: str, what: str, timeout: float = 30.0) -> dict:
+    """Client side: send ``what``, return the JSON answer."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+    except OSError as e:
+        raise CorralError(f"cannot reach the run's head process at {path}: {e.strerror}",
+                          hint="is the run still running? `corral runs` lists runs and their status") from None
+    with s:
+        s.sendall((what + "\n").encode())
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return json.loads(data or b"{}")

@@ -1,0 +1,155 @@
+"""Before anything starts: every node checked, and a rendezvous every node reaches.
+
+``preflight`` asks every node, in one round trip, for what a launch needs
+(working directory, script, the launcher's Python module, GPUs, addresses, a
+free port on node 0) and reports *every* problem on *every* node at once.
+``choose_master`` then proves an address of node 0 is reachable: node 0
+listens on the chosen port and every other node connects to it, so a
+firewall or a wrong network is an error naming the node before torchrun
+would hang on it for minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Mapping
+
+from corral.agent.session import AgentPool, AgentSession
+from corral.errors import HostError, PreflightError
+from corral.model import Cluster, Host
+from corral.plan import RunSpec
+
+
+def _needs_path_check(spec: RunSpec) -> bool:
+    return not spec.module and (spec.launcher != "command" or spec.program.endswith(".py"))
+
+
+def _workdir(spec: RunSpec, cluster: Cluster, host: Host, head_cwd: str) -> str:
+    return spec.workdir or cluster.workdir_for(host) or head_cwd
+
+
+async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: str) -> dict[str, dict]:
+    """One round trip per node; every problem on every node in one error."""
+    from corral.launchers import PLANNERS, NodeContext
+
+    # The launcher's required module does not depend on the node.
+    probe_ctx = NodeContext(python="python3", program=spec.program, args=(), module=spec.module,
+                            node_rank=0, nnodes=1, nproc=1, master_addr="x", master_port=1,
+                            hostnames=("x",))
+    required = PLANNERS[spec.launcher](probe_ctx).requires
+    first = cluster.hosts[0].name
+
+    def args_for(s: AgentSession) -> dict:
+        return {
+            "workdir": _workdir(spec, cluster, s.host, head_cwd),
+            "paths": [spec.program] if _needs_path_check(spec) else [],
+            "modules": [required] if required else [],
+            "want_port": s.name == first and spec.master_port is None,
+        }
+
+    results = await pool.call_all("probes.preflight", args_for, timeout=30)
+    problems: list[HostError] = []
+    for s in pool.sessions:
+        r = results[s.name]
+        wd = r.get("workdir") or {}
+        if wd and not wd.get("exists"):
+            problems.append(HostError(
+                s.name, f"working directory {wd.get('path')} does not exist",
+                hint="copy the project there first (`corral sync`, or `corral run --sync`), "
+                     "or choose another with --workdir / `workdir` in the cluster file",
+                kind="no-workdir"))
+            continue
+        for missing in r.get("missing", []):
+            problems.append(HostError(
+                s.name, f"{missing} not found in {wd.get('path')}",
+                hint="sync the project to every node (`corral sync`) or check the path",
+                kind="no-script"))
+        for mod, ok in (r.get("modules") or {}).items():
+            if not ok:
+                problems.append(HostError(
+                    s.name, f"{r.get('executable')} cannot import {mod} (needed by --launcher {spec.launcher})",
+                    hint=f"install {mod} in that environment, or point `python` for this host at the "
+                         "interpreter that has it (cluster file)",
+                    kind="no-module"))
+    if problems:
+        raise PreflightError(problems, what="preflight")
+    return results
+
+
+def _head_view(host: Host) -> set[str]:
+    """Addresses the head itself resolves ``host`` to (its likely cluster IP)."""
+    out = set()
+    for name in {host.address, host.name} - {None}:
+        try:
+            for info in socket.getaddrinfo(name, None, socket.AF_INET):  # type: ignore[arg-type]
+                out.add(info[4][0])
+        except OSError:
+            pass
+    return out
+
+
+def master_candidates(host0: Host, probe0: dict, peers: list[dict]) -> list[str]:
+    """Node 0's addresses, most likely to be reachable by every peer first."""
+    addrs = probe0.get("addresses") or []
+    head_view = _head_view(host0)
+
+    def shared_subnets(a: dict) -> int:
+        net = ipaddress.ip_network(f"{a['address']}/{a['prefix']}", strict=False)
+        return sum(
+            any(ipaddress.ip_address(p["address"]) in net for p in (peer.get("addresses") or []))
+            for peer in peers
+        )
+
+    def key(a: dict) -> tuple:
+        return (a["address"] not in head_view, -shared_subnets(a))
+
+    ordered = [a["address"] for a in sorted(addrs, key=key)]
+    for extra in sorted(head_view):
+        if extra not in ordered and not extra.startswith("127."):
+            ordered.append(extra)
+    return ordered
+
+
+async def choose_master(pool: AgentPool, probes: Mapping[str, dict], port: int) -> str:
+    """An address of node 0 that every other node reaches on ``port``."""
+    s0 = pool.sessions[0]
+    others = pool.sessions[1:]
+    if not others:
+        return "127.0.0.1"
+    candidates = master_candidates(s0.host, probes[s0.name], [probes[s.name] for s in others])
+    if not candidates:
+        raise PreflightError([HostError(s0.name, "has no network address other nodes could use",
+                                        kind="no-address")], what="rendezvous")
+    opened = await s0.call("probes.listen_start", addresses=candidates, port=port, seconds=30)
+    if not opened["bound"]:
+        detail = "; ".join(f"{a}: {e}" for a, e in opened["errors"].items())
+        raise PreflightError([HostError(s0.name, f"cannot listen on port {port} ({detail})",
+                                        hint="choose another --master-port", kind="port")],
+                             what="rendezvous")
+    try:
+        reach = await asyncio.gather(*(
+            s.call("probes.connect", addresses=opened["bound"], port=port, timeout=3.0) for s in others
+        ))
+    finally:
+        await s0.call("probes.listen_stop", port=port)
+    for addr in opened["bound"]:
+        if all(r.get(addr) == "ok" for r in reach):
+            return addr
+    problems = []
+    for s, r in zip(others, reach):
+        failed = {a: e for a, e in r.items() if e != "ok"}
+        if len(failed) == len(opened["bound"]):
+            detail = ", ".join(f"{a} ({e})" for a, e in failed.items())
+            problems.append(HostError(
+                s.name, f"cannot reach {s0.name} on port {port} at any of its addresses: {detail}",
+                hint="a firewall or a separate network is in the way; `corral doctor` shows the "
+                     "TCP reachability matrix", kind="unreachable-peer"))
+    if not problems:  # each address is reachable by some, none by all
+        problems.append(HostError(s0.name, "no single address of it is reachable from every node",
+                                  hint="`corral doctor` shows which node reaches which address",
+                                  kind="unreachable-peer"))
+    raise PreflightError(problems, what="rendezvous")
+
+

@@ -1,0 +1,55 @@
+"""Past and running runs, from their run directories (``runs/<run-id>/run.json``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from corral.errors import UsageError
+from corral.logs import RUN_FILE
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord:
+    run_id: str
+    dir: Path
+    data: dict
+
+    @property
+    def status(self) -> str:
+        return self.data.get("status", "unknown")
+
+
+def list_runs(root: Path) -> list[RunRecord]:
+    """Every run under ``root``, newest first (ids sort by start time)."""
+    out = []
+    if root.is_dir():
+        for d in root.iterdir():
+            f = d / RUN_FILE
+            if f.is_file():
+                try:
+                    data = json.loads(f.read_text())
+                except (OSError, ValueError):
+                    continue
+                out.append(RunRecord(run_id=d.name, dir=d, data=data))
+    return sorted(out, key=lambda r: r.run_id, reverse=True)
+
+
+def find_run(root: Path, which: str | None) -> RunRecord:
+    """A run by id, id prefix, directory, or (None) the newest running one."""
+    if which and Path(which, RUN_FILE).is_file():
+        d = Path(which)
+        return RunRecord(run_id=d.name, dir=d, data=json.loads((d / RUN_FILE).read_text()))
+    runs = list_runs(root)
+    if which is None:
+        running = [r for r in runs if r.status == "running"]
+        if not running:
+            raise UsageError(f"no running run in {root}", hint="give a run id or run directory; `corral runs` lists them")
+        return running[0]
+    matches = [r for r in runs if r.run_id.startswith(which)]
+    if not matches:
+        raise UsageError(f"no run {which!r} in {root}", hint="`corral runs` lists the runs (or pass --runs-dir)")
+    if len(matches) > 1:
+        raise UsageError(f"{which!r} matches {len(matches)} runs", hint="give more of the run id")
+    return matches[0]

@@ -1,0 +1,143 @@
+"""Python stacks of every rank, merged into one tree.
+
+The rank hook registers ``faulthandler`` on a signal, so any rank can be
+asked where it is without ptrace, py-spy or special privileges; the dump is
+written by C code, so it works while the rank is blocked inside a
+collective.  Here the dumps of all ranks are parsed and merged: ranks with
+the same stack share a branch, labelled with their folded rank set, so the
+one rank that is somewhere else (still loading data, in another collective)
+stands out::
+
+    <module> train.py:88                          ranks 0-7
+    └─ train_step train.py:61                     ranks 0-7
+       ├─ all_reduce distributed_c10d.py:2501     ranks 0-2,4-7
+       └─ __next__ dataloader.py:631              rank 3
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.IGNORECASE)
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+?)\s*$')
+
+
+@dataclass(frozen=True, kw_only=True)
+class Frame:
+    file: str
+    line: int
+    func: str
+
+    def label(self) -> str:
+        short = self.file.rsplit("/", 1)[-1]
+        return f"{self.func} {short}:{self.line}"
+
+
+def parse_dump(text: str) -> list[list[Frame]]:
+    """faulthandler output -> threads, each a list of frames outermost first."""
+    threads: list[list[Frame]] = []
+    current: list[Frame] | None = None
+    for line in text.splitlines():
+        if _THREAD.match(line.strip()):
+            current = []
+            threads.append(current)
+            continue
+        m = _FRAME.match(line)
+        if m and current is not None:
+            current.append(Frame(file=m["file"], line=int(m["line"]), func=m["func"]))
+    # faulthandler prints the most recent call first.
+    return [list(reversed(t)) for t in threads if t]
+
+
+def main_stack(text: str) -> list[Frame]:
+    """The thread running the script (its outermost frame is ``<module>``)."""
+    threads = parse_dump(text)
+    for t in threads:
+        if t and t[0].func == "<module>":
+            return t
+    return max(threads, key=len) if threads else []
+
+
+@dataclass
+class Node:
+    frame: Frame | None
+    ranks: set[int] = field(default_factory=set)
+    children: dict[Frame, Node] = field(default_factory=dict)
+
+
+def merge(stacks: dict[int, list[Frame]]) -> Node:
+    root = Node(frame=None)
+    for rank, frames in sorted(stacks.items()):
+        node = root
+        node.ranks.add(rank)
+        for fr in frames:
+            node = node.children.setdefault(fr, Node(frame=fr))
+            node.ranks.add(rank)
+    return root
+
+
+def fold_ranks(ranks: set[int]) -> str:
+    """``{0,1,2,4}`` -> ``ranks 0-2,4``; one rank -> ``rank 3``."""
+    if len(ranks) == 1:
+        return f"rank {next(iter(ranks))}"
+    parts, run = [], []
+    for r in sorted(ranks):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [r]
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return "ranks " + ",".join(parts)
+
+
+def render(root: Node, *, missing: set[int] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    """Lines of the merged tree (rank sets right-aligned after each frame)."""
+    rows: list[tuple[str, str]] = []
+
+    def walk(node: Node, prefix: str, last: bool, depth: int) -> None:
+        if node.frame is not None:
+            branch = "" if depth == 1 else ("└─ " if last else "├─ ")
+            rows.append((prefix + branch + node.frame.label(), fold_ranks(node.ranks)))
+            prefix = prefix + ("" if depth == 1 else ("   " if last else "│  "))
+        kids = sorted(node.children.values(), key=lambda n: (-len(n.ranks), min(n.ranks)))
+        # A single chain shared by every rank is printed flat, not ever deeper.
+        for i, child in enumerate(kids):
+            walk(child, prefix, i == len(kids) - 1, depth + 1)
+
+    walk(root, "", True, 0)
+    width = max((len(a) for a, _ in rows), default=0)
+    lines = [f"{a.ljust(width)}   {b}" for a, b in rows]
+    if missing:
+        lines.append(f"(no stack from {fold_ranks(missing)}: not a Python rank, or exited)")
+    return lines
+
+
+def odd_ones_out(root: Node) -> set[int]:
+    """Ranks on a branch that most ranks did not take (the likely culprits)."""
+    odd: set[int] = set()
+
+    def walk(node: Node) -> None:
+        kids = list(node.children.values())
+        if len(kids) > 1:
+            biggest = max(kids, key=lambda n: len(n.ranks))
+            for k in kids:
+                if k is not biggest and len(k.ranks) < len(biggest.ranks):
+                    odd.update(k.ranks)
+        for k in kids:
+            walk(k)
+
+    walk(root)
+    return odd
+
+
+def stack_report(dumps: dict[int, str], world_size: int) -> tuple[list[str], set[int]]:
+    """The merged tree of every rank's main thread, and the odd ranks out."""
+    stacks = {rank: main_stack(text) for rank, text in dumps.items()}
+    stacks = {r: st for r, st in stacks.items() if st}
+    missing = set(range(world_size)) - set(stacks)
+    root = merge(stacks)
+    return render(root, missing=missing), odd_ones_out(root)
