@@ -59,8 +59,12 @@ async def measure_links(
     omit: float = 1.0,
     tool: str = "auto",
     sequential: bool = False,
+    skip: frozenset[tuple[str, str]] = frozenset(),
 ) -> tuple[list[LinkProbe], str]:
-    """Throughput of every ordered pair of ``addresses``' hosts; returns (probes, tool used)."""
+    """Throughput of every ordered pair of ``addresses``' hosts; returns (probes, tool used).
+
+    Pairs in ``skip`` (known not to connect) are left out rather than timed out.
+    """
     hosts = [h for h in addresses if addresses[h]]
     if len(hosts) < 2:
         return [], "none"
@@ -70,7 +74,7 @@ async def measure_links(
         for pairs in schedule(hosts, sequential=sequential):
             probes += await asyncio.gather(*(
                 _send(pool, src, dst, addresses[dst], ports[dst], used, seconds, omit)
-                for src, dst in pairs
+                for src, dst in pairs if (src, dst) not in skip
             ))
     finally:
         stop = "links.iperf3_stop" if used == "iperf3" else "links.sink_stop"

@@ -135,8 +135,9 @@ async def gather(cluster: Cluster, options: DoctorOptions, *, head_env: Mapping[
             if options.links:
                 progress("measuring link throughput...")
                 addresses = {h: a[0] for h, a in targets.items() if a}
+                blocked = frozenset((p.src, p.dst) for p in ports if p.result != "ok")
                 probes, _ = await measure_links(pool, addresses, seconds=options.link_seconds,
-                                                omit=0.25, tool="builtin")
+                                                omit=0.25, tool="builtin", skip=blocked)
                 ev = replace(ev, links=tuple(probes))
         return ev
     finally:

@@ -269,10 +269,11 @@ def sink_stop(port) -> bool:
 def send(address, port, seconds=2.0, omit=0.5) -> dict:
     """Send to a sink for ``omit + seconds``; the sink's count is the result."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.settimeout(15.0)
+    s.settimeout(5.0)
     payload = b"\0" * _CHUNK
     try:
         s.connect((address, int(port)))
+        s.settimeout(15.0)
         end = time.monotonic() + float(omit) + float(seconds)
         while time.monotonic() < end:
             s.sendall(payload)
