@@ -113,7 +113,7 @@ def partition_once(sb: Sandbox, name: str, port: int, log_dir: Path, cap: float)
     sb.heal(victim)
     _scrub(sb)
     shutil.rmtree(out, ignore_errors=True)
-    named = victim in log.read_text()
+    named = f"{victim} was lost" in log.read_text()  # corral's wording; anchors name nothing
     return {"name": name, "took": took, "rc": proc.returncode, "named": named, "log": str(log)}
 
 
@@ -162,7 +162,7 @@ def main() -> None:
                 port += 1
                 r = partition_once(sb, name, port, log_dir, args.partition_cap)
                 took = f"{r['took']:.1f}s" if r["took"] is not None else f"> {args.partition_cap:.0f}s (still hung)"
-                print(f"  {name:14s} exited after {took}, rc={r['rc']}, node named: {r['named']}")
+                print(f"  {name:14s} exited after {took}, rc={r['rc']}, lost node named: {r['named']}")
     finally:
         if not args.keep:
             sb.down()

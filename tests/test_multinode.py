@@ -283,3 +283,18 @@ def test_missing_workdir_on_one_node(sandbox, workdir: Path) -> None:
         for node in sandbox.nodes[:3]:
             sandbox.exec(node, ["rm", "-rf", proj])
     assert_clean(sandbox, within=5)
+
+
+def test_bad_socket_ifname_on_one_node_is_diagnosed_live(sandbox, tmp_path: Path) -> None:
+    victim = sandbox.nodes[2]
+    text = sandbox.cluster_file.read_text()
+    block = f'name = "{victim}"\naddress = "{sandbox.addresses[victim]}"\n'
+    assert block in text
+    cluster = tmp_path / "corral.toml"
+    cluster.write_text(text.replace(block, block + '[hosts.env]\nGLOO_SOCKET_IFNAME = "nosuch0"\n'))
+    res = corral(sandbox, ["examples/train_ddp.py", "--epochs", "1"], REPO, cluster=cluster)
+    assert res.returncode != 0
+    assert f"on {victim} failed: RuntimeError" in res.stderr and "nosuch0" in res.stderr
+    assert "Likely cause:" in res.stderr and "GLOO_SOCKET_IFNAME" in res.stderr
+    assert re.search(rf"Fix: {victim} has no usable interface named 'nosuch0'", res.stderr), res.stderr[-2000:]
+    assert_clean(sandbox, within=5)

@@ -1,0 +1,133 @@
+"""Stacks of every rank merged into one tree; a planted hang names its rank."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from corral.stacks import fold_ranks, main_stack, merge, odd_ones_out, render, stack_report
+
+CORRAL = [sys.executable, "-m", "corral"]
+
+_DUMPER = """
+import faulthandler, sys, threading, time
+def helper():
+    time.sleep(30)
+threading.Thread(target=helper, daemon=True).start()
+def {func}():
+    faulthandler.dump_traceback(all_threads=True)
+    sys.stderr.flush()
+def outer():
+    {func}()
+time.sleep(0.2)
+outer()
+"""
+
+
+def real_dump(func: str) -> str:
+    """A real faulthandler dump (two threads) from a real interpreter."""
+    res = subprocess.run([sys.executable, "-c", _DUMPER.format(func=func)], capture_output=True, text=True,
+                         timeout=30)
+    return res.stderr
+
+
+def test_main_thread_is_found_and_ordered_outermost_first() -> None:
+    frames = main_stack(real_dump("in_allreduce"))
+    assert [f.func for f in frames] == ["<module>", "outer", "in_allreduce"]
+
+
+def test_merge_groups_identical_stacks_and_singles_out_the_odd_rank() -> None:
+    dumps = {r: real_dump("in_allreduce") for r in (0, 1, 2, 4, 5)}
+    dumps[3] = real_dump("in_dataloader")
+    lines, odd = stack_report(dumps, world_size=7)
+    text = "\n".join(lines)
+    assert odd == {3}
+    assert "ranks 0-5" in text  # the shared trunk
+    assert any("in_allreduce" in ln and ln.endswith("ranks 0-2,4-5") for ln in lines), text
+    assert any("in_dataloader" in ln and ln.endswith("rank 3") for ln in lines), text
+    assert "no stack from rank 6" in text
+
+
+def test_fold_ranks() -> None:
+    assert fold_ranks({0, 1, 2, 4, 6, 7}) == "ranks 0-2,4,6-7"
+    assert fold_ranks({5}) == "rank 5"
+
+
+HANG = """
+    import os, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    def load_batch():
+        time.sleep(3600)          # the planted hang
+    def train_step():
+        dist.all_reduce(torch.ones(1))
+    train_step()
+    print("warmed up", flush=True)
+    if dist.get_rank() == {rank}:
+        load_batch()
+    train_step()
+"""
+
+
+def test_hang_timeout_dumps_the_tree_and_stops(tmp_path: Path) -> None:
+    (tmp_path / "hang.py").write_text(textwrap.dedent(HANG.format(rank=1)))
+    res = subprocess.run(CORRAL + ["run", "--hang-timeout", "10", "--json", "hang.py"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 124, res.stderr[-2000:]
+    out = json.loads(res.stdout[res.stdout.index("{\n"):])
+    tree = "\n".join(out["stacks"])
+    assert any("load_batch hang.py:6" in ln and ln.endswith("rank 1") for ln in out["stacks"]), tree
+    assert any("all_reduce" in ln and ln.endswith("rank 0") for ln in out["stacks"]), tree
+    stacks_file = next(Path(out["run_dir"]).glob("stacks-*.txt"))
+    assert "load_batch" in stacks_file.read_text()
+
+
+def test_corral_stacks_on_a_running_job(tmp_path: Path) -> None:
+    (tmp_path / "hang.py").write_text(textwrap.dedent(HANG.format(rank=0)))
+    proc = subprocess.Popen(CORRAL + ["run", "hang.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        answer = None
+        while time.monotonic() < deadline:
+            time.sleep(1)
+            res = subprocess.run(CORRAL + ["stacks", "--json"], cwd=tmp_path, capture_output=True, text=True,
+                                 timeout=60)
+            if res.returncode == 0 and len(json.loads(res.stdout)["stacks"]) == 2:
+                answer = json.loads(res.stdout)["stacks"]
+                if "load_batch" in answer["0"]:
+                    break
+        assert answer and "load_batch" in answer["0"] and "all_reduce" in answer["1"], answer
+        res = subprocess.run(CORRAL + ["stacks"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert "rank 0" in res.stdout and "load_batch" in res.stdout
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    res = subprocess.run(CORRAL + ["stacks"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "no running run" in res.stderr
+
+
+@pytest.mark.sandbox
+def test_planted_hang_on_the_sandbox_names_the_rank(sandbox) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    work = repo / "scratch" / f"hang-{time.monotonic_ns()}"
+    work.mkdir(parents=True)
+    try:
+        (work / "hang.py").write_text(textwrap.dedent(HANG.format(rank=5)))
+        res = subprocess.run(CORRAL + ["run", "-c", str(sandbox.cluster_file), "--hang-timeout", "15", "hang.py"],
+                             cwd=work, capture_output=True, text=True, timeout=240)
+        assert res.returncode == 124, res.stderr[-3000:]
+        node3 = sandbox.nodes[2]
+        assert f"rank 5 elsewhere than the others" in res.stderr
+        assert any("load_batch" in ln and ln.rstrip().endswith("rank 5") for ln in res.stderr.splitlines())
+        assert any("all_reduce" in ln and ln.rstrip().endswith("ranks 0-4,6-7") for ln in res.stderr.splitlines())
+        assert node3  # rank 5 lives on the third node (2 ranks per node)
+    finally:
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
