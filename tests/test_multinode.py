@@ -135,8 +135,13 @@ LAUNCHERS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_each_launchers_own_script_runs_unchanged(sandbox, launcher: str) -> None:
-    res = corral(sandbox, ["--launcher", launcher, *LAUNCHERS[launcher]], REPO, timeout=600)
+def test_each_launchers_own_script_runs_unchanged(sandbox, launcher: str, request) -> None:
+    extra = []
+    if launcher == "deepspeed":
+        # DeepSpeed JIT-compiles a CPU comm op once; share test_examples' build (the
+        # repository path is visible on every sandbox node).
+        extra = ["--env", f"TORCH_EXTENSIONS_DIR={request.config.cache.mkdir('torch_extensions')}"]
+    res = corral(sandbox, ["--launcher", launcher, *extra, *LAUNCHERS[launcher]], REPO, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     m = re.search(r"first loss ([\d.]+) \| final loss ([\d.]+)", res.stdout)
     assert m, res.stdout[-2000:]
