@@ -97,3 +97,29 @@ def _remove_sandboxes_of_dead_sessions() -> None:
                 Sandbox(name=name).down()
             except CorralError as err:  # another session may be removing it right now
                 warnings.warn(f"stale test sandbox {name}: {err}", stacklevel=1)
+
+
+# ---------------------------------------------------------------------------
+# GPU tests (marked `gpu`): run only where a CUDA GPU is visible.
+
+
+def _has_cuda_gpu() -> bool:
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return False
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "GPU " in out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("gpu" in item.keywords for item in items) and not _has_cuda_gpu():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (nvidia-smi lists none here); CI has no GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
