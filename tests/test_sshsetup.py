@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from typing_extensions import Self
 
 from corral.cli import cli
 from corral.model import Host
@@ -44,12 +45,20 @@ ROOT = os.geteuid() == 0
 def test_set_block_replaces_in_place_and_strip_restores_exactly() -> None:
     text = "ssh-rsa AAA user@laptop"  # no trailing newline: set_block adds one
     with_block, added = nodeside.set_block(text, "c1", ["k1", "k2"])
-    assert added and with_block == "ssh-rsa AAA user@laptop\n# corral begin c1\nk1\nk2\n# corral end c1\n"
+    assert (
+        added
+        and with_block == "ssh-rsa AAA user@laptop\n# corral begin c1\nk1\nk2\n# corral end c1\n"
+    )
     again, added2 = nodeside.set_block(with_block + "tail\n", "c1", ["k3"])
-    assert not added2 and again == "ssh-rsa AAA user@laptop\n# corral begin c1\nk3\n# corral end c1\ntail\n"
+    assert (
+        not added2
+        and again == "ssh-rsa AAA user@laptop\n# corral begin c1\nk3\n# corral end c1\ntail\n"
+    )
     assert nodeside.strip_block(with_block, "c1", newline_added=True) == text
     two, _ = nodeside.set_block(with_block, "c2", ["x"])
-    assert nodeside.block_lines(two, "c1") == ["k1", "k2"] and nodeside.block_lines(two, "c2") == ["x"]
+    assert nodeside.block_lines(two, "c1") == ["k1", "k2"] and nodeside.block_lines(two, "c2") == [
+        "x"
+    ]
     assert nodeside.block_lines(nodeside.strip_block(two, "c1"), "c2") == ["x"]
 
 
@@ -78,8 +87,14 @@ def test_apply_is_idempotent_and_teardown_restores_the_home(node_home: Path) -> 
     (node_home / ".ssh" / "known_hosts").write_text("old.example ssh-ed25519 AAAA")  # no newline
     before = _snapshot(node_home)
     facts = nodeside.inspect("c1")
-    assert facts["public_key"].startswith("ssh-ed25519 ") and "generated ~/.ssh/id_ed25519" in facts["changes"]
-    blocks = {"authorized_keys": ["k-head", facts["public_key"]], "known_hosts": ["[n1]:2222 ssh-ed25519 B"]}
+    assert (
+        facts["public_key"].startswith("ssh-ed25519 ")
+        and "generated ~/.ssh/id_ed25519" in facts["changes"]
+    )
+    blocks = {
+        "authorized_keys": ["k-head", facts["public_key"]],
+        "known_hosts": ["[n1]:2222 ssh-ed25519 B"],
+    }
     assert nodeside.apply("c1", blocks)
     assert nodeside.apply("c1", blocks) == []  # second run: nothing to do
     assert oct((node_home / ".ssh" / "authorized_keys").stat().st_mode & 0o777) == "0o600"
@@ -95,7 +110,10 @@ def test_a_key_shared_by_two_cluster_ids_survives_the_first_teardown(node_home: 
     nodeside.apply("b", {"authorized_keys": [key, "other"]})
     nodeside.teardown("a")
     assert (node_home / ".ssh" / "id_ed25519").exists()
-    assert nodeside.block_lines((node_home / ".ssh" / "authorized_keys").read_text(), "b") == [key, "other"]
+    assert nodeside.block_lines((node_home / ".ssh" / "authorized_keys").read_text(), "b") == [
+        key,
+        "other",
+    ]
     nodeside.teardown("b")
     assert not (node_home / ".ssh").exists()
 
@@ -103,10 +121,15 @@ def test_a_key_shared_by_two_cluster_ids_survives_the_first_teardown(node_home: 
 def test_an_existing_key_is_used_and_never_deleted(node_home: Path) -> None:
     ssh = node_home / ".ssh"
     ssh.mkdir(mode=0o700)
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(ssh / "id_ed25519")], check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(ssh / "id_ed25519")], check=True
+    )
     before = _snapshot(node_home)
     facts = nodeside.inspect("c1")
-    assert facts["changes"] == [] and facts["public_key"] == (ssh / "id_ed25519.pub").read_text().strip()
+    assert (
+        facts["changes"] == []
+        and facts["public_key"] == (ssh / "id_ed25519.pub").read_text().strip()
+    )
     nodeside.apply("c1", {"authorized_keys": ["x"]})
     nodeside.teardown("c1")
     assert _snapshot(node_home) == before
@@ -117,12 +140,22 @@ def test_an_existing_key_is_used_and_never_deleted(node_home: Path) -> None:
 
 
 def _target(tmp_path: Path, port: int = 2222, hashed: bool = False) -> hostkeys.Target:
-    return hostkeys.Target(host=Host(name="gpu1"), hostname="10.9.9.9", port=port, user="u", key_name="10.9.9.9",
-                           known_hosts=(str(tmp_path / "kh"),), global_known_hosts=(), hash_known_hosts=hashed)
+    return hostkeys.Target(
+        host=Host(name="gpu1"),
+        hostname="10.9.9.9",
+        port=port,
+        user="u",
+        key_name="10.9.9.9",
+        known_hosts=(str(tmp_path / "kh"),),
+        global_known_hosts=(),
+        hash_known_hosts=hashed,
+    )
 
 
 def _keypair(tmp_path: Path, name: str) -> tuple[str, str]:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True
+    )
     t, b, *_ = (tmp_path / f"{name}.pub").read_text().split()
     return t, b
 
@@ -132,7 +165,8 @@ def test_judge_new_known_changed_with_hashed_entries(tmp_path: Path) -> None:
     good, other = _keypair(tmp_path, "h1"), _keypair(tmp_path, "h2")
     verdict = hostkeys.judge(target, [good])
     assert verdict.status == "new" and verdict.fingerprints[0].startswith("SHA256:")
-    # What setup writes for a host whose ssh config says HashKnownHosts yes; ssh-keygen -F must find it.
+    # What setup writes for a host whose ssh config says HashKnownHosts yes:
+    # ssh-keygen -F must find it.
     lines = hostkeys.known_hosts_lines(["10.9.9.9"], 2222, (good,), hashed=True)
     assert lines[0].startswith("|1|")
     (tmp_path / "kh").write_text("\n".join(lines) + "\n")
@@ -149,15 +183,38 @@ def test_known_hosts_patterns_use_brackets_for_other_ports() -> None:
 
 
 def test_plan_blocks_for_a_port_2222_cluster() -> None:
-    target = hostkeys.Target(host=Host(name="n1", user="ml"), hostname="10.0.0.1", port=2222, user="ml",
-                             key_name="10.0.0.1", known_hosts=(), global_known_hosts=(), hash_known_hosts=False)
-    verdicts = {"n1": hostkeys.HostKeys(target=target, status="known", keys=(("ssh-ed25519", "AAAA"),))}
-    facts = {"n1": {"public_key": "ssh-ed25519 NODE corral@n1", "hostnames": ["n1.local"], "has_block": {}}}
+    target = hostkeys.Target(
+        host=Host(name="n1", user="ml"),
+        hostname="10.0.0.1",
+        port=2222,
+        user="ml",
+        key_name="10.0.0.1",
+        known_hosts=(),
+        global_known_hosts=(),
+        hash_known_hosts=False,
+    )
+    verdicts = {
+        "n1": hostkeys.HostKeys(target=target, status="known", keys=(("ssh-ed25519", "AAAA"),))
+    }
+    facts = {
+        "n1": {
+            "public_key": "ssh-ed25519 NODE corral@n1",
+            "hostnames": ["n1.local"],
+            "has_block": {},
+        }
+    }
     peers = plan.peers(verdicts, facts)
-    out = plan.blocks("ssh-ed25519 HEAD me", peers, facts, want_ssh_config=True, want_etc_hosts=True)["n1"]
+    out = plan.blocks(
+        "ssh-ed25519 HEAD me", peers, facts, want_ssh_config=True, want_etc_hosts=True
+    )["n1"]
     assert out["authorized_keys"] == ["ssh-ed25519 HEAD me", "ssh-ed25519 NODE corral@n1"]
     assert out["known_hosts"] == ["[n1]:2222,[n1.local]:2222,[10.0.0.1]:2222 ssh-ed25519 AAAA"]
-    assert out["ssh_config"] == ["Host n1 n1.local", "    HostName 10.0.0.1", "    Port 2222", "    User ml"]
+    assert out["ssh_config"] == [
+        "Host n1 n1.local",
+        "    HostName 10.0.0.1",
+        "    Port 2222",
+        "    User ml",
+    ]
     assert out["etc_hosts"] == ["10.0.0.1\tn1 n1.local"]
     bare = plan.matrix_argv(peers[0], bare=True)
     assert bare[-2:] == ["n1", "true"] and "-p" not in bare and "BatchMode=yes" in bare
@@ -170,13 +227,21 @@ def test_plan_blocks_for_a_port_2222_cluster() -> None:
 def test_askpass_helper_gets_the_password_over_the_socket_only() -> None:
     secret = "s3cret-" + uuid.uuid4().hex
 
-    async def go() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess, dict, PasswordBroker]:
+    async def go() -> tuple[
+        subprocess.CompletedProcess, subprocess.CompletedProcess, dict, PasswordBroker
+    ]:
         async with PasswordBroker({"n1": secret}, max_answers=1) as broker:
             env = broker.env_for("n1")
             assert oct(broker.socket_path.parent.stat().st_mode & 0o777) == "0o700"
 
             def helper(prompt: str) -> subprocess.CompletedProcess:
-                return subprocess.run([str(broker.helper_path), prompt], env=env, capture_output=True, text=True)
+                return subprocess.run(
+                    [str(broker.helper_path), prompt],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
 
             first = await asyncio.to_thread(helper, "corral@n1's password: ")
             second = await asyncio.to_thread(helper, "corral@n1's password: ")  # over max_answers
@@ -193,7 +258,9 @@ def test_askpass_helper_gets_the_password_over_the_socket_only() -> None:
 def test_only_password_prompts_are_answered() -> None:
     assert is_password_prompt("corral@10.0.0.1's password: ") and is_password_prompt("Password:")
     assert not is_password_prompt("Enter passphrase for key '/root/.ssh/id_ed25519': ")
-    assert not is_password_prompt("Are you sure you want to continue connecting (yes/no/[fingerprint])?")
+    assert not is_password_prompt(
+        "Are you sure you want to continue connecting (yes/no/[fingerprint])?"
+    )
 
 
 def test_ssh_help_lists_the_subcommands() -> None:
@@ -202,7 +269,14 @@ def test_ssh_help_lists_the_subcommands() -> None:
     for word in ("setup", "teardown", "check"):
         assert word in result.output
     setup_help = CliRunner().invoke(cli, ["ssh", "setup", "--help"]).output
-    for flag in ("--accept-new", "--ssh-config", "--etc-hosts", "--password-stdin", "--same-password", "--dry-run"):
+    for flag in (
+        "--accept-new",
+        "--ssh-config",
+        "--etc-hosts",
+        "--password-stdin",
+        "--same-password",
+        "--dry-run",
+    ):
         assert flag in setup_help
 
 
@@ -219,7 +293,9 @@ def pw_sandbox(tmp_path_factory: pytest.TempPathFactory):
     from corral.sandbox import Sandbox
 
     tag = f"s{os.getpid()}"
-    sb = Sandbox(name=f"{tag}-ssh", prefix=f"{tag}n", state_dir=tmp_path_factory.mktemp("pwsb") / "state")
+    sb = Sandbox(
+        name=f"{tag}-ssh", prefix=f"{tag}n", state_dir=tmp_path_factory.mktemp("pwsb") / "state"
+    )
     try:
         sb.up(3, ssh_port=2222, password_auth=True, with_keys=True, password=PASSWORD)
         yield sb
@@ -231,13 +307,24 @@ def pw_sandbox(tmp_path_factory: pytest.TempPathFactory):
 def head(pw_sandbox, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A head for the test user: its own key, an empty known_hosts, a cluster file."""
     d = tmp_path_factory.mktemp("head")
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "head", "-f", str(d / "id")], check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "head", "-f", str(d / "id")],
+        check=True,
+    )
     (d / "known_hosts").write_text("")
-    hosts = "".join(f'\n[[hosts]]\nname = "{n}"\naddress = "{a}"\n' for n, a in pw_sandbox.addresses.items())
+    hosts = "".join(
+        f'\n[[hosts]]\nname = "{n}"\naddress = "{a}"\n' for n, a in pw_sandbox.addresses.items()
+    )
     (d / "corral.toml").write_text(
         f'[cluster]\nname = "mesh"\npython = "python3"\nuser = "corral"\nport = 2222\n'
-        f'ssh_options = ["UserKnownHostsFile={d / "known_hosts"}"]\n{hosts}')
-    return {"dir": d, "cluster": d / "corral.toml", "identity": d / "id", "known_hosts": d / "known_hosts"}
+        f'ssh_options = ["UserKnownHostsFile={d / "known_hosts"}"]\n{hosts}'
+    )
+    return {
+        "dir": d,
+        "cluster": d / "corral.toml",
+        "identity": d / "id",
+        "known_hosts": d / "known_hosts",
+    }
 
 
 _SNAP = r"""
@@ -247,31 +334,59 @@ for top in sys.argv[1:]:
     out[top] = ["top", os.path.exists(top)]
     if not os.path.exists(top):
         continue
-    for dirpath, dirs, files in os.walk(top) if os.path.isdir(top) else [(os.path.dirname(top), [], [os.path.basename(top)])]:
+    if os.path.isdir(top):
+        walk = os.walk(top)
+    else:
+        walk = [(os.path.dirname(top), [], [os.path.basename(top)])]
+    for dirpath, dirs, files in walk:
         for name in sorted(dirs) + sorted(files):
             p = os.path.join(dirpath, name)
             st = os.lstat(p)
             if os.path.isdir(p):
                 out[p] = ["d", oct(st.st_mode & 0o7777)]
             elif os.path.exists(p):
-                out[p] = ["f", oct(st.st_mode & 0o7777), hashlib.sha256(open(p, "rb").read()).hexdigest()]
+                digest = hashlib.sha256(open(p, "rb").read()).hexdigest()
+                out[p] = ["f", oct(st.st_mode & 0o7777), digest]
 print(json.dumps(out, sort_keys=True))
 """
 
 
 def node_state(sb, node: str) -> dict:
     """Everything setup may touch on a node: the test user's home, root's ~/.ssh, /etc/hosts."""
-    proc = sb.exec(node, [sys.executable, "-I", "-c", _SNAP, "/home/corral", "/srv/home/corral", "/root/.ssh",
-                          "/etc/hosts"], check=True)
+    proc = sb.exec(
+        node,
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            _SNAP,
+            "/home/corral",
+            "/srv/home/corral",
+            "/root/.ssh",
+            "/etc/hosts",
+        ],
+        check=True,
+    )
     return json.loads(proc.stdout)
 
 
-def corral(*args: str, input: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([*CORRAL, *args], input=input, capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+def corral(
+    *args: str, input: str | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CORRAL, *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        check=False,
+    )
 
 
-def run_in_pty(argv: list[str], answers: list[tuple[str, str]], *, timeout: float = 180) -> tuple[int, str]:
+def run_in_pty(
+    argv: list[str], answers: list[tuple[str, str]], *, timeout: float = 180
+) -> tuple[int, str]:
     """Run ``argv`` on a terminal, typing each answer when its prompt appears."""
     pid, fd = pty.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -298,7 +413,9 @@ def run_in_pty(argv: list[str], answers: list[tuple[str, str]], *, timeout: floa
         os.kill(pid, 9)
     _, status = os.waitpid(pid, 0)
     os.close(fd)
-    return os.waitstatus_to_exitcode(status), re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode(errors="replace"))
+    return os.waitstatus_to_exitcode(status), re.sub(
+        r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode(errors="replace")
+    )
 
 
 class ProcWatch:
@@ -311,7 +428,7 @@ class ProcWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def __enter__(self) -> ProcWatch:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -344,21 +461,37 @@ def test_first_contact_full_mesh_from_password_only_nodes(pw_sandbox, head) -> N
     nodes = pw_sandbox.nodes
     before = {n: node_state(pw_sandbox, n) for n in nodes}
     pw_sandbox.__dict__["_before"] = before  # for the teardown test
-    argv = [*CORRAL, "ssh", "setup", "-c", str(head["cluster"]), "--identity", str(head["identity"]),
-            "--ssh-config"]
+    argv = [
+        *CORRAL,
+        "ssh",
+        "setup",
+        "-c",
+        str(head["cluster"]),
+        "--identity",
+        str(head["identity"]),
+        "--ssh-config",
+    ]
     with ProcWatch(PASSWORD) as watch:
-        rc, out = run_in_pty(argv, [("trust these keys", "y"), ("password for corral@", PASSWORD),
-                                    ("same password", "y")])
+        rc, out = run_in_pty(
+            argv,
+            [("trust these keys", "y"), ("password for corral@", PASSWORD), ("same password", "y")],
+        )
     assert rc == 0, out
     assert "SHA256:" in out and "first contact" in out
-    assert out.count("password for corral@") == 1 and "same password for" in out  # asked once, reused
+    assert (
+        out.count("password for corral@") == 1 and "same password for" in out
+    )  # asked once, reused
     assert "all 9 logins work" in out
     assert watch.leaks == [], watch.leaks
     assert len(watch.seen) > 20  # the watcher really looked (ssh, sshd, askpass helpers...)
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("corral-askpass-*"))
     # Every node has its own key; only public keys travelled.
-    keys = {n: pw_sandbox.exec(n, ["cat", "/home/corral/.ssh/id_ed25519.pub"], check=True).stdout.split()[1]
-            for n in nodes}
+    keys = {
+        n: pw_sandbox.exec(
+            n, ["cat", "/home/corral/.ssh/id_ed25519.pub"], check=True
+        ).stdout.split()[1]
+        for n in nodes
+    }
     assert len(set(keys.values())) == 3
     for n in nodes:
         auth = pw_sandbox.exec(n, ["cat", "/home/corral/.ssh/authorized_keys"], check=True).stdout
@@ -369,14 +502,18 @@ def test_first_contact_full_mesh_from_password_only_nodes(pw_sandbox, head) -> N
         priv = pw_sandbox.exec(n, ["cat", "/home/corral/.ssh/id_ed25519"], check=True).stdout
         for other in nodes:
             if other != n:
-                files = pw_sandbox.exec(other, ["sh", "-c", "cat /home/corral/.ssh/* 2>/dev/null"]).stdout
+                files = pw_sandbox.exec(
+                    other, ["sh", "-c", "cat /home/corral/.ssh/* 2>/dev/null"]
+                ).stdout
                 assert priv.strip().splitlines()[3] not in files  # a line of secret material
 
 
 @pytest.mark.sandbox
 def test_rerun_is_a_noop_and_says_so(pw_sandbox, head) -> None:
     state = {n: node_state(pw_sandbox, n) for n in pw_sandbox.nodes}
-    res = corral("ssh", "setup", "-c", str(head["cluster"]), "--identity", str(head["identity"]), "--json")
+    res = corral(
+        "ssh", "setup", "-c", str(head["cluster"]), "--identity", str(head["identity"]), "--json"
+    )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["changed"] is False and report["by_password"] == []
@@ -391,10 +528,24 @@ def test_pdsh_works_from_a_node_with_no_manual_step(pw_sandbox, head) -> None:
     first = pw_sandbox.nodes[0]
     prefix = pw_sandbox.nodes[0][:-1]
     res = subprocess.run(
-        ["ssh", "-i", str(head["identity"]), "-o", f"UserKnownHostsFile={head['known_hosts']}",
-         "-o", "BatchMode=yes", "-p", "2222", f"corral@{pw_sandbox.addresses[first]}",
-         f"pdsh -R ssh -w {prefix}[1-3] hostname"],
-        capture_output=True, text=True, timeout=60)
+        [
+            "ssh",
+            "-i",
+            str(head["identity"]),
+            "-o",
+            f"UserKnownHostsFile={head['known_hosts']}",
+            "-o",
+            "BatchMode=yes",
+            "-p",
+            "2222",
+            f"corral@{pw_sandbox.addresses[first]}",
+            f"pdsh -R ssh -w {prefix}[1-3] hostname",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == [f"{n}: {n}" for n in pw_sandbox.nodes]
 
@@ -406,13 +557,24 @@ def test_changed_host_key_is_an_error_naming_the_host(pw_sandbox, head, tmp_path
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(wrong)], check=True)
     kh = tmp_path / "known_hosts"
     good = head["known_hosts"].read_text()
-    fake = f"[{pw_sandbox.addresses[victim]}]:2222 " + " ".join((tmp_path / "wrong.pub").read_text().split()[:2])
+    fake = f"[{pw_sandbox.addresses[victim]}]:2222 " + " ".join(
+        (tmp_path / "wrong.pub").read_text().split()[:2]
+    )
     kh.write_text(fake + "\n")
     cluster = tmp_path / "corral.toml"
     cluster.write_text(head["cluster"].read_text().replace(str(head["known_hosts"]), str(kh)))
     state = {n: node_state(pw_sandbox, n) for n in pw_sandbox.nodes}
-    res = corral("ssh", "setup", "-c", str(cluster), "--identity", str(head["identity"]), "--accept-new",
-                 "--password-stdin", input=PASSWORD + "\n")
+    res = corral(
+        "ssh",
+        "setup",
+        "-c",
+        str(cluster),
+        "--identity",
+        str(head["identity"]),
+        "--accept-new",
+        "--password-stdin",
+        input=PASSWORD + "\n",
+    )
     assert res.returncode == 3
     assert f"{victim}: its host key has CHANGED" in res.stderr
     assert {n: node_state(pw_sandbox, n) for n in pw_sandbox.nodes} == state  # nothing touched
@@ -423,14 +585,29 @@ def test_changed_host_key_is_an_error_naming_the_host(pw_sandbox, head, tmp_path
 def test_wrong_password_names_the_hosts(pw_sandbox, tmp_path: Path) -> None:
     kh = tmp_path / "kh"
     kh.write_text("")
-    hosts = "".join(f'\n[[hosts]]\nname = "{n}"\naddress = "{a}"\n' for n, a in pw_sandbox.addresses.items())
+    hosts = "".join(
+        f'\n[[hosts]]\nname = "{n}"\naddress = "{a}"\n' for n, a in pw_sandbox.addresses.items()
+    )
     cluster = tmp_path / "c.toml"
-    cluster.write_text(f'[cluster]\nname = "other"\npython = "python3"\nuser = "corral"\nport = 2222\n'
-                       f'ssh_options = ["UserKnownHostsFile={kh}", "IdentitiesOnly=yes", '
-                       f'"IdentityFile={tmp_path}/none"]\n{hosts}')
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "id")], check=True)
-    res = corral("ssh", "setup", "-c", str(cluster), "--identity", str(tmp_path / "id"), "--accept-new",
-                 "--password-stdin", input="not-the-password\n")
+    cluster.write_text(
+        f'[cluster]\nname = "other"\npython = "python3"\nuser = "corral"\nport = 2222\n'
+        f'ssh_options = ["UserKnownHostsFile={kh}", "IdentitiesOnly=yes", '
+        f'"IdentityFile={tmp_path}/none"]\n{hosts}'
+    )
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "id")], check=True
+    )
+    res = corral(
+        "ssh",
+        "setup",
+        "-c",
+        str(cluster),
+        "--identity",
+        str(tmp_path / "id"),
+        "--accept-new",
+        "--password-stdin",
+        input="not-the-password\n",
+    )
     assert res.returncode == 3, res.stdout + res.stderr
     assert "password was refused" in res.stderr
     for n in pw_sandbox.nodes:
@@ -444,17 +621,22 @@ def test_root_setup_with_etc_hosts_then_deepspeed_pdsh_runner(pw_sandbox) -> Non
     3-node gloo job from the first node with no manual step."""
     cluster = str(pw_sandbox.cluster_file)
     before = {n: node_state(pw_sandbox, n) for n in pw_sandbox.nodes}
-    res = corral("ssh", "setup", "-c", cluster, "--ssh-config", "--etc-hosts", "--id", "rootmesh", "--json")
+    res = corral(
+        "ssh", "setup", "-c", cluster, "--ssh-config", "--etc-hosts", "--id", "rootmesh", "--json"
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["matrix"]["ok"]
     for n in pw_sandbox.nodes:
         hosts = pw_sandbox.exec(n, ["cat", "/etc/hosts"], check=True).stdout
         assert "# corral begin rootmesh" in hosts
-    script = "import socket, torch, torch.distributed as dist, deepspeed\n" \
-             "deepspeed.init_distributed(dist_backend='gloo')\n" \
-             "t = torch.ones(1) * (dist.get_rank() + 1); dist.all_reduce(t)\n" \
-             "print(f'rank {dist.get_rank()} on {socket.gethostname()} sum={int(t.item())}', flush=True)\n" \
-             "dist.destroy_process_group()\n"
+    script = (
+        "import socket, torch, torch.distributed as dist, deepspeed\n"
+        "deepspeed.init_distributed(dist_backend='gloo')\n"
+        "t = torch.ones(1) * (dist.get_rank() + 1); dist.all_reduce(t)\n"
+        "print(f'rank {dist.get_rank()} on {socket.gethostname()} sum={int(t.item())}',\n"
+        "      flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
     hostfile = "".join(f"{n} slots=1\n" for n in pw_sandbox.nodes)
     for n in pw_sandbox.nodes:  # /srv is private to each node: the same files at the same path
         d = pw_sandbox.node_dir(n) / "srv" / "ds"
@@ -462,16 +644,27 @@ def test_root_setup_with_etc_hosts_then_deepspeed_pdsh_runner(pw_sandbox) -> Non
         (d / "tiny.py").write_text(script)
         (d / "hostfile").write_text(hostfile)
     ds = str(Path(sys.executable).with_name("deepspeed"))
-    run = pw_sandbox.exec(pw_sandbox.nodes[0], ["bash", "-c", f"cd /srv/ds && DS_ACCELERATOR=cpu {ds} "
-                                                f"--hostfile hostfile --master_port 29571 tiny.py"], timeout=300)
+    run = pw_sandbox.exec(
+        pw_sandbox.nodes[0],
+        [
+            "bash",
+            "-c",
+            (
+                f"cd /srv/ds && DS_ACCELERATOR=cpu {ds} "
+                f"--hostfile hostfile --master_port 29571 tiny.py"
+            ),
+        ],
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count("sum=6") == 3, run.stdout[-3000:]
     down = corral("ssh", "teardown", "-c", cluster, "--id", "rootmesh")
     assert down.returncode == 0, down.stderr
     for n in pw_sandbox.nodes:
         after = node_state(pw_sandbox, n)
-        assert {k: v for k, v in after.items() if k.startswith(("/root", "/etc"))} == \
-               {k: v for k, v in before[n].items() if k.startswith(("/root", "/etc"))}
+        assert {k: v for k, v in after.items() if k.startswith(("/root", "/etc"))} == {
+            k: v for k, v in before[n].items() if k.startswith(("/root", "/etc"))
+        }
 
 
 @pytest.mark.sandbox
@@ -486,8 +679,27 @@ def test_teardown_restores_the_starting_state(pw_sandbox, head) -> None:
         assert node_state(pw_sandbox, n) == before[n]
     assert head["known_hosts"].read_text() == ""
     # And the key no longer works (fresh connection, no multiplexing).
-    probe = subprocess.run(["ssh", "-i", str(head["identity"]), "-o", f"UserKnownHostsFile={head['known_hosts']}",
-                            "-o", "StrictHostKeyChecking=accept-new", "-o", "BatchMode=yes", "-o", "ControlPath=none",
-                            "-p", "2222", f"corral@{pw_sandbox.addresses[pw_sandbox.nodes[0]]}", "true"],
-                           capture_output=True, text=True, timeout=30)
+    probe = subprocess.run(
+        [
+            "ssh",
+            "-i",
+            str(head["identity"]),
+            "-o",
+            f"UserKnownHostsFile={head['known_hosts']}",
+            "-o",
+            "StrictHostKeyChecking=accept-new",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ControlPath=none",
+            "-p",
+            "2222",
+            f"corral@{pw_sandbox.addresses[pw_sandbox.nodes[0]]}",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert probe.returncode == 255 and "Permission denied" in probe.stderr

@@ -33,16 +33,50 @@ MiB = 1 << 20
 # gitignore syntax
 
 
-@pytest.mark.parametrize(("path", "is_dir", "ignored"), [
-    ("m.pyc", False, True), ("d/keep.pyc", False, False), ("runs", True, True), ("sub/runs", True, False),
-    ("runs/x", False, True), ("data/f", False, True), ("q/data/f", False, True), ("data", False, False),
-    ("a/b", False, True), ("a/x/y/b", False, True), ("foo", False, True), ("z/foo", False, True),
-    ("doc/a.txt", False, True), ("doc/s/a.txt", False, False), ("x/deep/er", False, True),
-    ("#lit", False, True), ("sp ace ", False, True), ("f[1].c", False, False), ("f1.c", False, True),
-])
+@pytest.mark.parametrize(
+    ("path", "is_dir", "ignored"),
+    [
+        ("m.pyc", False, True),
+        ("d/keep.pyc", False, False),
+        ("runs", True, True),
+        ("sub/runs", True, False),
+        ("runs/x", False, True),
+        ("data/f", False, True),
+        ("q/data/f", False, True),
+        ("data", False, False),
+        ("a/b", False, True),
+        ("a/x/y/b", False, True),
+        ("foo", False, True),
+        ("z/foo", False, True),
+        ("doc/a.txt", False, True),
+        ("doc/s/a.txt", False, False),
+        ("x/deep/er", False, True),
+        ("#lit", False, True),
+        ("sp ace ", False, True),
+        ("f[1].c", False, False),
+        ("f1.c", False, True),
+    ],
+)
 def test_gitignore_semantics(path: str, is_dir: bool, ignored: bool) -> None:
-    rules = IgnoreRules(parse(["# comment", "*.pyc", "/runs/", "data/", "!keep.pyc", "a/**/b", "**/foo",
-                               "doc/*.txt", "x/**", "\\#lit", "sp ace\\ ", "f[0-9].c", ""]))
+    rules = IgnoreRules(
+        parse(
+            [
+                "# comment",
+                "*.pyc",
+                "/runs/",
+                "data/",
+                "!keep.pyc",
+                "a/**/b",
+                "**/foo",
+                "doc/*.txt",
+                "x/**",
+                "\\#lit",
+                "sp ace\\ ",
+                "f[0-9].c",
+                "",
+            ]
+        )
+    )
     assert rules.ignored(path, is_dir) is ignored
 
 
@@ -56,8 +90,12 @@ def test_no_reinclude_inside_an_excluded_directory() -> None:
 
 
 def _git(root: Path, *args: str) -> None:
-    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=root, check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", *args],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    )
 
 
 def make_project(root: Path, *, big: int = 0) -> Path:
@@ -65,11 +103,20 @@ def make_project(root: Path, *, big: int = 0) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     _git(root, "init", "-q", ".")
     files = {
-        "train.py": "print('train')\n", "src/model.py": "x = 1\n", "src/util/io.py": "y = 2\n",
-        "configs/a.yaml": "lr: 1\n", "gone.txt": "to be deleted\n", ".gitignore": "data/\n*.log\n",
-        ".corralignore": "*.tmp\nscratch/\n", "notes.tmp": "no\n", "scratch/x.py": "no\n", "app.log": "no\n",
-        "data/shard0.bin": "ignored by git\n", "runs/old/rank0.log": "corral's own logs\n",
-        ".venv/bin/python": "venv\n", "src/__pycache__/model.cpython-311.pyc": "pyc\n",
+        "train.py": "print('train')\n",
+        "src/model.py": "x = 1\n",
+        "src/util/io.py": "y = 2\n",
+        "configs/a.yaml": "lr: 1\n",
+        "gone.txt": "to be deleted\n",
+        ".gitignore": "data/\n*.log\n",
+        ".corralignore": "*.tmp\nscratch/\n",
+        "notes.tmp": "no\n",
+        "scratch/x.py": "no\n",
+        "app.log": "no\n",
+        "data/shard0.bin": "ignored by git\n",
+        "runs/old/rank0.log": "corral's own logs\n",
+        ".venv/bin/python": "venv\n",
+        "src/__pycache__/model.cpython-311.pyc": "pyc\n",
     }
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -86,8 +133,18 @@ def make_project(root: Path, *, big: int = 0) -> Path:
     return root
 
 
-EXPECTED = {"train.py", "src/model.py", "src/util/io.py", "configs/a.yaml", "gone.txt", ".gitignore",
-            ".corralignore", "model_link.py", "dangling", "untracked_new.py"}
+EXPECTED = {
+    "train.py",
+    "src/model.py",
+    "src/util/io.py",
+    "configs/a.yaml",
+    "gone.txt",
+    ".gitignore",
+    ".corralignore",
+    "model_link.py",
+    "dangling",
+    "untracked_new.py",
+}
 
 
 def test_git_project_file_list(tmp_path: Path) -> None:
@@ -108,7 +165,13 @@ def test_walk_outside_git_honours_gitignore_files_and_negation(tmp_path: Path) -
     (root / ".corralignore").write_text("deep/\n")
     units = filelist.build_units(root)
     assert not units[0].git
-    assert set(units[0].paths) == {"a.py", "sub/b.py", "sub/keep.dat", "sub/.gitignore", ".corralignore"}
+    assert set(units[0].paths) == {
+        "a.py",
+        "sub/b.py",
+        "sub/keep.dat",
+        "sub/.gitignore",
+        ".corralignore",
+    }
 
 
 def test_named_paths_narrow_the_project_and_an_ignored_dir_is_walked(tmp_path: Path) -> None:
@@ -122,7 +185,11 @@ def test_named_paths_narrow_the_project_and_an_ignored_dir_is_walked(tmp_path: P
     (outside / "__pycache__").mkdir()
     (outside / "__pycache__" / "x.pyc").write_text("no")
     units = filelist.build_units(root, (str(outside),), to="/srv")
-    assert units[0].root == outside.parent and units[0].dest == "/srv" and units[0].paths == ("wiki/part0",)
+    assert (
+        units[0].root == outside.parent
+        and units[0].dest == "/srv"
+        and units[0].paths == ("wiki/part0",)
+    )
     with pytest.raises(Exception, match="absolute"):
         filelist.build_units(root, (), to="relative/dir")
 
@@ -131,8 +198,12 @@ def test_extra_files_that_ignore_rules_match_are_protected(tmp_path: Path) -> No
     root = make_project(tmp_path / "p")
     unit = filelist.build_units(root)[0]
     extras = ["runs/new/rank0.log", "data/shard9.bin", "x.log", "stray.py", "src/__pycache__/a.pyc"]
-    assert filelist.protected(unit, extras) == {"runs/new/rank0.log", "data/shard9.bin", "x.log",
-                                                "src/__pycache__/a.pyc"}
+    assert filelist.protected(unit, extras) == {
+        "runs/new/rank0.log",
+        "data/shard9.bin",
+        "x.log",
+        "src/__pycache__/a.pyc",
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -150,7 +221,9 @@ def test_manifest_describes_links_by_target_and_mode_matters(tmp_path: Path) -> 
     assert nodetree.manifest(str(root), paths)["hash"] != m1["hash"]
 
 
-def test_stat_cache_is_used_and_never_hides_a_rewrite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stat_cache_is_used_and_never_hides_a_rewrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "t"
     root.mkdir()
     f = root / "w.bin"
@@ -178,8 +251,11 @@ def test_status_and_delete_on_a_tree(tmp_path: Path) -> None:
     (node / "extra" / "deep" / "e.txt").write_text("e")
     (tmp_path / "outside.txt").write_text("must survive")
     os.symlink(str(tmp_path), node / "escape")
-    [st] = nodetree.status([{"root": str(node), "expected": want, "scope": [""]}], dry_run=True)
-    assert st["differ"] == {"src/model.py": "content", "gone.txt": "missing"}
+    [st] = nodetree.status([{"root": str(node), "paths": paths, "scope": [""]}], dry_run=True)
+    assert nodetree.differ(want, st["entries"]) == {
+        "src/model.py": "content",
+        "gone.txt": "missing",
+    }
     assert "extra/deep/e.txt" in st["extra"] and "escape" in st["extra"]
     assert nodetree.delete(str(node), ["extra/deep/e.txt", "escape/outside.txt"]) == 1
     assert not (node / "extra").exists() and (tmp_path / "outside.txt").exists()
@@ -206,15 +282,25 @@ def _tree(root: Path) -> dict[str, list]:
             if p.is_symlink():
                 out[rel] = ["l", os.readlink(p)]
             else:
-                out[rel] = ["f", oct(p.stat().st_mode & 0o777), hashlib.sha256(p.read_bytes()).hexdigest()]
+                out[rel] = [
+                    "f",
+                    oct(p.stat().st_mode & 0o777),
+                    hashlib.sha256(p.read_bytes()).hexdigest(),
+                ]
     return out
 
 
 def test_local_sync_to_another_directory(tmp_path: Path) -> None:
     root = make_project(tmp_path / "p")
     dest = tmp_path / "copy"
-    res = subprocess.run([*CORRAL, "sync", "--to", str(dest), "--json"], cwd=root, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [*CORRAL, "sync", "--to", str(dest), "--json"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["ok"] and report["mode"] == "star"
@@ -236,7 +322,8 @@ for dirpath, dirs, files in os.walk(root):
         if os.path.islink(p):
             out[rel] = ["l", os.readlink(p)]
         else:
-            out[rel] = ["f", oct(os.stat(p).st_mode & 0o777), hashlib.sha256(open(p, "rb").read()).hexdigest()]
+            digest = hashlib.sha256(open(p, "rb").read()).hexdigest()
+            out[rel] = ["f", oct(os.stat(p).st_mode & 0o777), digest]
 print(json.dumps(out))
 """
 
@@ -247,8 +334,14 @@ def node_tree(sb, node: str, root: Path) -> dict[str, list]:
 
 
 def corral_sync(root: Path, cluster: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CORRAL, "sync", "-c", str(cluster), *args], cwd=root, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [*CORRAL, "sync", "-c", str(cluster), *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -278,9 +371,16 @@ def test_sync_a_project_and_verify_every_node(sandbox, project: Path) -> None:
 @pytest.mark.sandbox
 def test_deletions_links_and_a_changed_large_file_with_delete(sandbox, project: Path) -> None:
     first, last = sandbox.nodes[0], sandbox.nodes[-1]
-    for rel, text in (("runs/r1/rank0.log", "node output"), ("data/local.bin", "node data"), ("stray.py", "old")):
-        sandbox.exec(first, ["sh", "-c", f"mkdir -p $(dirname {project}/{rel}) && echo {text!r} > {project}/{rel}"],
-                     check=True)
+    for rel, text in (
+        ("runs/r1/rank0.log", "node output"),
+        ("data/local.bin", "node data"),
+        ("stray.py", "old"),
+    ):
+        sandbox.exec(
+            first,
+            ["sh", "-c", f"mkdir -p $(dirname {project}/{rel}) && echo {text!r} > {project}/{rel}"],
+            check=True,
+        )
     (project / "gone.txt").unlink()
     with open(project / "ckpt" / "big.bin", "r+b") as fh:  # same size, a few bytes changed
         fh.seek(3 * MiB)
@@ -319,7 +419,9 @@ def test_a_node_that_differs_is_named(sandbox, project: Path) -> None:
     sandbox.exec(victim, ["sh", "-c", f"echo tampered >> {project}/src/model.py"], check=True)
     res = corral_sync(project, sandbox.cluster_file, "--check")
     assert res.returncode == 3
-    assert f"{victim}: tree hash" in res.stderr and f"{project}/src/model.py (differs)" in res.stderr
+    assert (
+        f"{victim}: tree hash" in res.stderr and f"{project}/src/model.py (differs)" in res.stderr
+    )
     for other in set(sandbox.nodes) - {victim}:
         assert f"{other}:" not in res.stderr
     fixed = corral_sync(project, sandbox.cluster_file)
@@ -338,8 +440,24 @@ def test_unchanged_tree_is_up_to_date(sandbox, project: Path) -> None:
 @pytest.mark.sandbox
 def test_run_sync_syncs_before_launching(sandbox, project: Path) -> None:
     (project / "marker.txt").write_text("synced-by-run\n")
-    res = subprocess.run([*CORRAL, "run", "--sync", "-c", str(sandbox.cluster_file), "--launcher", "command",
-                          "cat", "marker.txt"], cwd=project, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            *CORRAL,
+            "run",
+            "--sync",
+            "-c",
+            str(sandbox.cluster_file),
+            "--launcher",
+            "command",
+            "cat",
+            "marker.txt",
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "sync: every node has tree" in res.stderr
     assert res.stdout.count("synced-by-run") == len(sandbox.nodes)
@@ -353,11 +471,19 @@ def mesh_sandbox(tmp_path_factory: pytest.TempPathFactory):
     from corral.sandbox import Sandbox
 
     tag = f"y{os.getpid()}"
-    sb = Sandbox(name=f"{tag}-sync", prefix=f"{tag}n", state_dir=tmp_path_factory.mktemp("meshsb") / "state")
+    sb = Sandbox(
+        name=f"{tag}-sync", prefix=f"{tag}n", state_dir=tmp_path_factory.mktemp("meshsb") / "state"
+    )
     try:
         sb.up(3, with_keys=True)
-        res = subprocess.run([*CORRAL, "ssh", "setup", "-c", str(sb.cluster_file), "--json"], capture_output=True,
-                             text=True, timeout=300, cwd=REPO)
+        res = subprocess.run(
+            [*CORRAL, "ssh", "setup", "-c", str(sb.cluster_file), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+            check=False,
+        )
         assert res.returncode == 0, res.stderr
         yield sb
     finally:
@@ -365,7 +491,9 @@ def mesh_sandbox(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.sandbox
-def test_large_files_stream_node_to_node(mesh_sandbox, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_large_files_stream_node_to_node(
+    mesh_sandbox, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     root = make_project(tmp_path_factory.mktemp("chain") / "proj", big=12 * MiB)
     res = corral_sync(root, mesh_sandbox.cluster_file, "--pipeline-min", "4M", "--json")
     assert res.returncode == 0, res.stderr

@@ -47,18 +47,25 @@ class CliAsker:
 
     def trust(self, new: list[HostKeys]) -> bool:
         con = ui.err_console()
-        table = Table(title="first contact: host keys not known to this machine", title_justify="left")
+        table = Table(
+            title="first contact: host keys not known to this machine", title_justify="left"
+        )
         table.add_column("host")
         table.add_column("address")
         table.add_column("fingerprint (ssh-keygen -l)")
         for v in new:
             t = v.target
-            table.add_row(escape(t.host.name), escape(f"{t.hostname}:{t.port}"),
-                          escape("\n".join(v.fingerprints)))
+            table.add_row(
+                escape(t.host.name),
+                escape(f"{t.hostname}:{t.port}"),
+                escape("\n".join(v.fingerprints)),
+            )
         con.print(table)
         if not self.interactive:
             return False
-        return click.confirm("Are these the right machines (trust these keys)?", default=False, err=True)
+        return click.confirm(
+            "Are these the right machines (trust these keys)?", default=False, err=True
+        )
 
     def passwords(self, hosts: list[Host], *, retry: bool) -> dict[str, str]:
         names = [h.name for h in hosts]
@@ -68,27 +75,38 @@ class CliAsker:
             if self._stdin_password is None:
                 line = sys.stdin.readline()
                 if not line:
-                    raise UsageError("--password-stdin: stdin is empty", hint="echo \"$PW\" | corral ssh setup ...")
+                    raise UsageError(
+                        "--password-stdin: stdin is empty", hint='echo "$PW" | corral ssh setup ...'
+                    )
                 self._stdin_password = line.rstrip("\r\n")
             return {n: self._stdin_password for n in names}
         if not self.interactive:
             raise UsageError(
-                f"{fold(names)} need(s) a password for the first login, and stdin is not a terminal",
+                f"{fold(names)} need(s) a password for the first login, "
+                "and stdin is not a terminal",
                 hint="run it in a terminal, or pipe the password with --password-stdin",
             )
         who = _user(hosts[0])
         again = "again: " if retry else ""
         if len(hosts) == 1:
-            return {names[0]: click.prompt(f"{again}password for {who}@{names[0]}", hide_input=True, err=True)}
+            return {
+                names[0]: click.prompt(
+                    f"{again}password for {who}@{names[0]}", hide_input=True, err=True
+                )
+            }
         if self.same_password:
-            pw = click.prompt(f"{again}password for {who} on {fold(names)}", hide_input=True, err=True)
+            pw = click.prompt(
+                f"{again}password for {who} on {fold(names)}", hide_input=True, err=True
+            )
             return {n: pw for n in names}
         first = click.prompt(f"{again}password for {who}@{names[0]}", hide_input=True, err=True)
         if click.confirm(f"use the same password for {fold(names[1:])}?", default=True, err=True):
             return {n: first for n in names}
         out = {names[0]: first}
         for h in hosts[1:]:
-            out[h.name] = click.prompt(f"password for {_user(h)}@{h.name}", hide_input=True, err=True)
+            out[h.name] = click.prompt(
+                f"password for {_user(h)}@{h.name}", hide_input=True, err=True
+            )
         return out
 
     def make_key(self, path: Path) -> bool:
@@ -104,29 +122,52 @@ def _user(host: Host) -> str:
 
 
 def _common(func: Callable) -> Callable:
-    for opt in reversed([
-        click.option("--id", "cluster_id", metavar="NAME", default=None,
-                     help="Name of corral's marked blocks on the nodes. Default: the cluster's name, "
-                          "else a hash of its host names."),
-        click.option("--identity", "-i", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                     help="This machine's private key to install on the nodes. Default: the first of "
-                          "ssh's IdentityFile candidates that exists, else a new ~/.ssh/id_ed25519."),
-        click.option("--accept-new", is_flag=True,
-                     help="Trust host keys seen for the first time without asking (a CHANGED key is "
-                          "still an error)."),
-        click.option("--same-password", is_flag=True, help="Ask one password for every node."),
-        click.option("--password-stdin", is_flag=True,
-                     help="Read the password (one line, used for every node) from stdin, for scripts."),
-        click.option("--json", "as_json", is_flag=True, help="Print the report as JSON."),
-    ]):
+    for opt in reversed(
+        [
+            click.option(
+                "--id",
+                "cluster_id",
+                metavar="NAME",
+                default=None,
+                help="Name of corral's marked blocks on the nodes. Default: the cluster's name, "
+                "else a hash of its host names.",
+            ),
+            click.option(
+                "--identity",
+                "-i",
+                type=click.Path(dir_okay=False, path_type=Path),
+                default=None,
+                help="This machine's private key to install on the nodes. Default: the first of "
+                "ssh's IdentityFile candidates that exists, else a new ~/.ssh/id_ed25519.",
+            ),
+            click.option(
+                "--accept-new",
+                is_flag=True,
+                help="Trust host keys seen for the first time without asking (a CHANGED key is "
+                "still an error).",
+            ),
+            click.option("--same-password", is_flag=True, help="Ask one password for every node."),
+            click.option(
+                "--password-stdin",
+                is_flag=True,
+                help="Read the password (one line, used for every node) from stdin, for scripts.",
+            ),
+            click.option("--json", "as_json", is_flag=True, help="Print the report as JSON."),
+        ]
+    ):
         func = opt(func)
     return func
 
 
-def _options(cluster: Any, cluster_id: str | None, identity: Path | None, accept_new: bool,
-             **kw: Any) -> SetupOptions:
-    return SetupOptions(cluster_id=cluster_id or default_cluster_id(cluster), identity=identity,
-                        accept_new=accept_new, **kw)
+def _options(
+    cluster: Any, cluster_id: str | None, identity: Path | None, accept_new: bool, **kw: Any
+) -> SetupOptions:
+    return SetupOptions(
+        cluster_id=cluster_id or default_cluster_id(cluster),
+        identity=identity,
+        accept_new=accept_new,
+        **kw,
+    )
 
 
 @click.group(name="ssh")
@@ -146,14 +187,36 @@ def ssh() -> None:
 @ssh.command()
 @cluster_options
 @_common
-@click.option("--ssh-config", "ssh_config", is_flag=True,
-              help="Also write Host entries (address, port, user) to ~/.ssh/config on every node.")
-@click.option("--etc-hosts", is_flag=True, help="Also write every node's name to /etc/hosts on every node (root).")
-@click.option("--dry-run", is_flag=True, help="Show what would change on every node; change nothing.")
-@click.option("--yes", "-y", is_flag=True, help="Create this machine's key without asking if it has none.")
-def setup(cluster_opts: ClusterOptions, cluster_id: str | None, identity: Path | None, accept_new: bool,
-          same_password: bool, password_stdin: bool, as_json: bool, ssh_config: bool, etc_hosts: bool,
-          dry_run: bool, yes: bool) -> None:
+@click.option(
+    "--ssh-config",
+    "ssh_config",
+    is_flag=True,
+    help="Also write Host entries (address, port, user) to ~/.ssh/config on every node.",
+)
+@click.option(
+    "--etc-hosts",
+    is_flag=True,
+    help="Also write every node's name to /etc/hosts on every node (root).",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="Show what would change on every node; change nothing."
+)
+@click.option(
+    "--yes", "-y", is_flag=True, help="Create this machine's key without asking if it has none."
+)
+def setup(
+    cluster_opts: ClusterOptions,
+    cluster_id: str | None,
+    identity: Path | None,
+    accept_new: bool,
+    same_password: bool,
+    password_stdin: bool,
+    as_json: bool,
+    ssh_config: bool,
+    etc_hosts: bool,
+    dry_run: bool,
+    yes: bool,
+) -> None:
     """Key login from here to every node and from every node to every node.
 
     Each node gets its own key (generated there; private keys never move),
@@ -164,9 +227,18 @@ def setup(cluster_opts: ClusterOptions, cluster_id: str | None, identity: Path |
     ends with the all-to-all login matrix.
     """
     cluster = cluster_opts.load()
-    asker = CliAsker(same_password=same_password, password_stdin=password_stdin, yes=yes, quiet=as_json)
-    options = _options(cluster, cluster_id, identity, accept_new, ssh_config=ssh_config,
-                       etc_hosts=etc_hosts, dry_run=dry_run)
+    asker = CliAsker(
+        same_password=same_password, password_stdin=password_stdin, yes=yes, quiet=as_json
+    )
+    options = _options(
+        cluster,
+        cluster_id,
+        identity,
+        accept_new,
+        ssh_config=ssh_config,
+        etc_hosts=etc_hosts,
+        dry_run=dry_run,
+    )
     report = asyncio.run(run_setup(cluster, options, asker))
     _finish(report, as_json, verb="setup")
 
@@ -175,12 +247,22 @@ def setup(cluster_opts: ClusterOptions, cluster_id: str | None, identity: Path |
 @cluster_options
 @_common
 @click.option("--dry-run", is_flag=True, help="Show what would be removed; change nothing.")
-def teardown(cluster_opts: ClusterOptions, cluster_id: str | None, identity: Path | None, accept_new: bool,
-             same_password: bool, password_stdin: bool, as_json: bool, dry_run: bool) -> None:
+def teardown(
+    cluster_opts: ClusterOptions,
+    cluster_id: str | None,
+    identity: Path | None,
+    accept_new: bool,
+    same_password: bool,
+    password_stdin: bool,
+    as_json: bool,
+    dry_run: bool,
+) -> None:
     """Remove what `corral ssh setup` added: its blocks on every node and here,
     and the keys, files and directories it created (nothing else)."""
     cluster = cluster_opts.load()
-    asker = CliAsker(same_password=same_password, password_stdin=password_stdin, yes=False, quiet=as_json)
+    asker = CliAsker(
+        same_password=same_password, password_stdin=password_stdin, yes=False, quiet=as_json
+    )
     options = _options(cluster, cluster_id, identity, accept_new, dry_run=dry_run)
     report = asyncio.run(run_teardown(cluster, options, asker))
     _finish(report, as_json, verb="teardown")
@@ -189,12 +271,23 @@ def teardown(cluster_opts: ClusterOptions, cluster_id: str | None, identity: Pat
 @ssh.command()
 @cluster_options
 @_common
-def check(cluster_opts: ClusterOptions, cluster_id: str | None, identity: Path | None, accept_new: bool,
-          same_password: bool, password_stdin: bool, as_json: bool) -> None:
+def check(
+    cluster_opts: ClusterOptions,
+    cluster_id: str | None,
+    identity: Path | None,
+    accept_new: bool,
+    same_password: bool,
+    password_stdin: bool,
+    as_json: bool,
+) -> None:
     """Print the all-to-all login matrix (every node logs in to every node by key)."""
     cluster = cluster_opts.load()
-    asker = CliAsker(same_password=same_password, password_stdin=password_stdin, yes=False, quiet=as_json)
-    matrix = asyncio.run(check_mesh(cluster, _options(cluster, cluster_id, identity, accept_new), asker))
+    asker = CliAsker(
+        same_password=same_password, password_stdin=password_stdin, yes=False, quiet=as_json
+    )
+    matrix = asyncio.run(
+        check_mesh(cluster, _options(cluster, cluster_id, identity, accept_new), asker)
+    )
     if as_json:
         click.echo(json.dumps(matrix.to_json(), indent=2))
     else:
@@ -227,14 +320,22 @@ def render_report(report: SetupReport, *, verb: str) -> None:
     for changes, names in groups.items():
         if not changes:
             continue
-        con.print(f"[bold]{escape(fold(names))}[/]: {would}" + "; ".join(escape(c) for c in changes))
+        con.print(
+            f"[bold]{escape(fold(names))}[/]: {would}" + "; ".join(escape(c) for c in changes)
+        )
     if report.by_password:
-        why = "to install this machine's key" if verb == "setup" and not report.dry_run else "no key login"
+        why = (
+            "to install this machine's key"
+            if verb == "setup" and not report.dry_run
+            else "no key login"
+        )
         con.print(f"[dim]password used on {escape(fold(report.by_password))} ({why})[/]")
     if not report.changed:
         what = "set up" if verb == "setup" else "removed"
-        con.print(f"[green]nothing to do[/]: ssh is already {what} on {len(report.nodes)} node(s) "
-                  f"(blocks '{escape(report.cluster_id)}')")
+        con.print(
+            f"[green]nothing to do[/]: ssh is already {what} on {len(report.nodes)} node(s) "
+            f"(blocks '{escape(report.cluster_id)}')"
+        )
     elif report.dry_run:
         con.print("[dim]dry run: nothing was changed[/]")
     for w in report.warnings:
@@ -254,8 +355,10 @@ def render_matrix(matrix: Matrix) -> None:
             if src in matrix.unreachable:
                 table.add_row(escape(src), *(["[red]?[/]"] * len(matrix.hosts)))
                 continue
-            cells = ["[green]ok[/]" if matrix.cells.get((src, d)) == "ok" else "[red]FAIL[/]"
-                     for d in matrix.hosts]
+            cells = [
+                "[green]ok[/]" if matrix.cells.get((src, d)) == "ok" else "[red]FAIL[/]"
+                for d in matrix.hosts
+            ]
             table.add_row(escape(src), *cells)
         con.print(table)
     color = "green" if matrix.ok else "red"

@@ -23,16 +23,20 @@ from corral.cli.common import ClusterOptions, cluster_options
 from corral.errors import UsageError
 from corral.hostrange import fold
 from corral.model import Cluster
-from corral.sync import SyncOptions, SyncReport, sync as run_sync_async
+from corral.sync import SyncOptions, SyncReport
+from corral.sync import sync as run_sync_async
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_size(text: str) -> int:
     m = _SIZE.match(text)
     if not m:
-        raise UsageError(f"--pipeline-min {text!r}: expected a size like 64M or 1G", hint="e.g. --pipeline-min 256M")
+        raise UsageError(
+            f"--pipeline-min {text!r}: expected a size like 64M or 1G",
+            hint="e.g. --pipeline-min 256M",
+        )
     unit = (m.group(2) or "").lower()[:1]
     return int(float(m.group(1)) * _UNITS[unit])
 
@@ -44,8 +48,15 @@ class ProgressView:
         con = ui.err_console()
         self.quiet = quiet
         self._progress = Progress(
-            TextColumn("[dim]corral:[/] sync"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TimeRemainingColumn(), console=con, transient=True, disable=quiet or not con.is_terminal)
+            TextColumn("[dim]corral:[/] sync"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=con,
+            transient=True,
+            disable=quiet or not con.is_terminal,
+        )
         self._task = None
 
     def note(self, text: str) -> None:
@@ -70,8 +81,15 @@ def _mb(n: int) -> str:
     return f"{n} B"
 
 
-def sync_cluster(cluster: Cluster, options: SyncOptions, *, cwd: Path, as_json: bool = False,
-                 verbose: bool = False, brief: bool = False) -> SyncReport:
+def sync_cluster(
+    cluster: Cluster,
+    options: SyncOptions,
+    *,
+    cwd: Path,
+    as_json: bool = False,
+    verbose: bool = False,
+    brief: bool = False,
+) -> SyncReport:
     """Run a sync with a progress bar and print its report.
 
     ``brief`` (for `corral run --sync`) prints one line on stderr instead, so
@@ -82,9 +100,12 @@ def sync_cluster(cluster: Cluster, options: SyncOptions, *, cwd: Path, as_json: 
     if brief:
         copied = sum(len(r.copy) for r in report.nodes.values())
         would = "would copy" if options.dry_run else "copied"
-        ui.notice(f"sync: every node has tree {report.head_hash[:12]} "
-                  f"({sum(n for _, _, n in report.units)} file(s)); {would} {copied} file(s) in total"
-                  if not options.dry_run else f"sync (dry run): {would} {copied} file(s) in total")
+        ui.notice(
+            f"sync: every node has tree {report.head_hash[:12]} "
+            f"({sum(n for _, _, n in report.units)} file(s)); {would} {copied} file(s) in total"
+            if not options.dry_run
+            else f"sync (dry run): {would} {copied} file(s) in total"
+        )
     elif as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
@@ -100,8 +121,15 @@ def render(report: SyncReport, *, dry_run: bool, verbose: bool) -> None:
         con.print(f"[dim]tree:[/] {n} file(s) -> {escape(where)}")
     groups: dict[tuple, list[str]] = {}
     for name, r in report.nodes.items():
-        key = (r.skipped, len(r.copy), r.bytes, len(r.delete), r.hash, tuple(r.copy) if verbose else (),
-               tuple(r.delete) if verbose else ())
+        key = (
+            r.skipped,
+            len(r.copy),
+            r.bytes,
+            len(r.delete),
+            r.hash,
+            tuple(r.copy) if verbose else (),
+            tuple(r.delete) if verbose else (),
+        )
         groups.setdefault(key, []).append(name)
     would = "would " if dry_run else ""
     for (skipped, ncopy, nbytes, ndel, thash, copies, deletes), names in groups.items():
@@ -123,30 +151,69 @@ def render(report: SyncReport, *, dry_run: bool, verbose: bool) -> None:
         con.print("[dim]dry run: nothing was changed[/]")
         return
     if report.mode == "check":
-        con.print(f"[green]in sync[/]: every node has tree {report.head_hash[:12]} ({files} file(s))")
+        con.print(
+            f"[green]in sync[/]: every node has tree {report.head_hash[:12]} ({files} file(s))"
+        )
         return
-    rate = f", {_mb(int(report.bytes_sent / report.duration_s))}/s" if report.bytes_sent and report.duration_s else ""
-    con.print(f"[green]verified[/]: every node has tree {report.head_hash[:12]} ({files} file(s)); "
-              f"{report.mode}, {_mb(report.bytes_sent)} sent in {report.duration_s:.1f}s{rate}")
+    rate = (
+        f", {_mb(int(report.bytes_sent / report.duration_s))}/s"
+        if report.bytes_sent and report.duration_s
+        else ""
+    )
+    con.print(
+        f"[green]verified[/]: every node has tree {report.head_hash[:12]} ({files} file(s)); "
+        f"{report.mode}, {_mb(report.bytes_sent)} sent in {report.duration_s:.1f}s{rate}"
+    )
 
 
 @click.command(name="sync")
 @cluster_options
 @click.argument("paths", nargs=-1, type=click.Path(exists=False))
-@click.option("--to", "to", metavar="DIR", default=None,
-              help="Destination on the nodes (absolute). Default: the same path as here.")
-@click.option("--delete", is_flag=True,
-              help="Delete files on the nodes that are not here (only inside the synced tree; files the "
-                   "ignore rules match, like runs/ or checkpoints, are kept).")
-@click.option("--dry-run", "-n", is_flag=True, help="Show what would be copied and deleted on each node.")
-@click.option("--check", is_flag=True, help="Only compare: exit 3 and name the nodes and files that differ.")
-@click.option("--no-pipeline", is_flag=True, help="Send large files from here to each node, never node to node.")
-@click.option("--pipeline-min", default="64M", show_default=True, metavar="SIZE",
-              help="Files this large stream node to node when nodes can log in to each other.")
+@click.option(
+    "--to",
+    "to",
+    metavar="DIR",
+    default=None,
+    help="Destination on the nodes (absolute). Default: the same path as here.",
+)
+@click.option(
+    "--delete",
+    is_flag=True,
+    help="Delete files on the nodes that are not here (only inside the synced tree; files the "
+    "ignore rules match, like runs/ or checkpoints, are kept).",
+)
+@click.option(
+    "--dry-run", "-n", is_flag=True, help="Show what would be copied and deleted on each node."
+)
+@click.option(
+    "--check", is_flag=True, help="Only compare: exit 3 and name the nodes and files that differ."
+)
+@click.option(
+    "--no-pipeline",
+    is_flag=True,
+    help="Send large files from here to each node, never node to node.",
+)
+@click.option(
+    "--pipeline-min",
+    default="64M",
+    show_default=True,
+    metavar="SIZE",
+    help="Files this large stream node to node when nodes can log in to each other.",
+)
 @click.option("--verbose", "-v", is_flag=True, help="List every file copied or deleted.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def sync(cluster_opts: ClusterOptions, paths: tuple[str, ...], to: str | None, delete: bool, dry_run: bool,
-         check: bool, no_pipeline: bool, pipeline_min: str, verbose: bool, as_json: bool) -> None:
+def sync(
+    cluster_opts: ClusterOptions,
+    paths: tuple[str, ...],
+    to: str | None,
+    delete: bool,
+    dry_run: bool,
+    check: bool,
+    no_pipeline: bool,
+    pipeline_min: str,
+    verbose: bool,
+    as_json: bool,
+) -> None:
     """Copy the project (or PATHs) to the same place on every node, verified.
 
     \b
@@ -165,6 +232,13 @@ def sync(cluster_opts: ClusterOptions, paths: tuple[str, ...], to: str | None, d
     same tree hash as this machine, or the node and files are named.
     """
     cluster = cluster_opts.load()
-    options = SyncOptions(paths=paths, to=to, delete=delete, dry_run=dry_run, check=check,
-                          pipeline="off" if no_pipeline else "auto", pipeline_min_bytes=parse_size(pipeline_min))
+    options = SyncOptions(
+        paths=paths,
+        to=to,
+        delete=delete,
+        dry_run=dry_run,
+        check=check,
+        pipeline="off" if no_pipeline else "auto",
+        pipeline_min_bytes=parse_size(pipeline_min),
+    )
     sync_cluster(cluster, options, cwd=Path.cwd(), as_json=as_json, verbose=verbose)

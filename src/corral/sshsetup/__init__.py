@@ -4,7 +4,8 @@ Library use::
 
     from corral.sshsetup import SetupOptions, setup, teardown, default_cluster_id
 
-    report = asyncio.run(setup(cluster, SetupOptions(cluster_id=default_cluster_id(cluster)), asker))
+    options = SetupOptions(cluster_id=default_cluster_id(cluster))
+    report = asyncio.run(setup(cluster, options, asker))
     report.matrix.ok        # every node logs in to every node
 
 Modules: ``hostkeys`` (scan, fingerprints, known_hosts checks), ``keys`` (the
@@ -27,4 +28,13 @@ from corral.sshsetup.apply import (
 )
 from corral.sshsetup.verify import Matrix
 
-__all__ = ["Asker", "Matrix", "SetupOptions", "SetupReport", "check", "default_cluster_id", "setup", "teardown"]
+__all__ = [
+    "Asker",
+    "Matrix",
+    "SetupOptions",
+    "SetupReport",
+    "check",
+    "default_cluster_id",
+    "setup",
+    "teardown",
+]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,9 +82,13 @@ class SetupReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "cluster_id": self.cluster_id, "dry_run": self.dry_run, "changed": self.changed,
-            "nodes": {k: list(v) for k, v in self.nodes.items()}, "head": list(self.head),
-            "by_password": list(self.by_password), "trusted_new_host_keys": list(self.trusted),
+            "cluster_id": self.cluster_id,
+            "dry_run": self.dry_run,
+            "changed": self.changed,
+            "nodes": {k: list(v) for k, v in self.nodes.items()},
+            "head": list(self.head),
+            "by_password": list(self.by_password),
+            "trusted_new_host_keys": list(self.trusted),
             "warnings": list(self.warnings),
             "matrix": self.matrix.to_json() if self.matrix else None,
         }
@@ -112,7 +115,9 @@ def _check_cluster(cluster: Cluster) -> None:
 # steps shared by setup and teardown
 
 
-async def check_host_keys(cluster: Cluster, options: SetupOptions, asker: Asker) -> dict[str, HostKeys]:
+async def check_host_keys(
+    cluster: Cluster, options: SetupOptions, asker: Asker
+) -> dict[str, HostKeys]:
     """Verdict per host, in cluster order; raises on changed keys or refused trust."""
     targets = hostkeys.resolve(cluster)
     asker.step(f"scanning host keys of {len(targets)} host(s)")
@@ -132,13 +137,22 @@ async def check_host_keys(cluster: Cluster, options: SetupOptions, asker: Asker)
         raise UsageError(
             f"{len(new)} host key(s) not trusted: {', '.join(v.target.host.name for v in new)}",
             hint="check the fingerprints with the machines' owner (or their console: "
-                 "`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`), then answer yes or pass --accept-new",
+            "`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`), "
+            "then answer yes or pass --accept-new",
         )
     return {h.name: verdicts[h.name] for h in cluster.hosts}
 
 
-async def log_in(session: Session, cluster: Cluster, head_key: str | None, options: SetupOptions,
-                 asker: Asker, *, fn: str, args: dict[str, Any]) -> dict[str, Any]:
+async def log_in(
+    session: Session,
+    cluster: Cluster,
+    head_key: str | None,
+    options: SetupOptions,
+    asker: Asker,
+    *,
+    fn: str,
+    args: dict[str, Any],
+) -> dict[str, Any]:
     """Call ``fn`` on every node by key; where keys are refused, by password.
 
     Outside dry runs the password is used once per host, to install the
@@ -153,28 +167,43 @@ async def log_in(session: Session, cluster: Cluster, head_key: str | None, optio
     if not refused:
         return values
     need = [cluster.host(p.host) for p in refused]
-    asker.step(f"{len(need)} host(s) refuse key login; logging in by password"
-               + ("" if head_key is None or options.dry_run else " once, to install this machine's key"))
+    asker.step(
+        f"{len(need)} host(s) refuse key login; logging in by password"
+        + ("" if head_key is None or options.dry_run else " once, to install this machine's key")
+    )
     use_password = options.dry_run or head_key is None
     passwords = asker.passwords(need, retry=False)
     for name, pw in passwords.items():
         session.broker.set(name, pw)
     for attempt in range(1, PASSWORD_ATTEMPTS + 1):
         if use_password:
-            got, problems = await gather_hosts(need, lambda h: session.call(h, fn, args, password=True))
+            got, problems = await gather_hosts(
+                need, lambda h: session.call(h, fn, args, password=True)
+            )
         else:
-            got, problems = await gather_hosts(need, lambda h: session.call(
-                h, "add_authorized_key", {"cluster_id": options.cluster_id, "key": head_key}, password=True))
+            got, problems = await gather_hosts(
+                need,
+                lambda h: session.call(
+                    h,
+                    "add_authorized_key",
+                    {"cluster_id": options.cluster_id, "key": head_key},
+                    password=True,
+                ),
+            )
             for name, changes in got.items():
                 session.extra_changes.setdefault(name, []).extend(changes)
         denied = [p for p in problems if p.kind == "auth-refused"]
         if [p for p in problems if p.kind != "auth-refused"]:
-            raise PreflightError([p for p in problems if p.kind != "auth-refused"], what="password login")
+            raise PreflightError(
+                [p for p in problems if p.kind != "auth-refused"], what="password login"
+            )
         if not denied:
             break
         if attempt == PASSWORD_ATTEMPTS or not asker.interactive:
-            raise PreflightError([_password_refused(p, session.broker.refused.get(p.host)) for p in denied],
-                                 what="password login")
+            raise PreflightError(
+                [_password_refused(p, session.broker.refused.get(p.host)) for p in denied],
+                what="password login",
+            )
         need_again = [cluster.host(p.host) for p in denied]
         for name, pw in asker.passwords(need_again, retry=True).items():
             session.broker.set(name, pw)
@@ -186,27 +215,40 @@ async def log_in(session: Session, cluster: Cluster, head_key: str | None, optio
         return values
     after, problems = await gather_hosts(pw_hosts, lambda h: session.call(h, fn, args))
     if problems:
-        raise PreflightError([_still_refused(p) for p in problems], what="key login after installing the key")
+        raise PreflightError(
+            [_still_refused(p) for p in problems], what="key login after installing the key"
+        )
     values.update(after)
     return values
 
 
 def _password_refused(err: HostError, prompt: str | None) -> HostError:
     if prompt:
-        return HostError(err.host, f"ssh asked something corral does not answer: {prompt!r}",
-                         hint="log in by hand once (`ssh HOST`) to see what it wants", kind="auth-refused")
-    return HostError(err.host, "the password was refused (or password login is disabled there)",
-                     hint="check the password and user; sshd needs PasswordAuthentication "
-                          "(or KbdInteractiveAuthentication) for the first login",
-                     kind="auth-refused")
+        return HostError(
+            err.host,
+            f"ssh asked something corral does not answer: {prompt!r}",
+            hint="log in by hand once (`ssh HOST`) to see what it wants",
+            kind="auth-refused",
+        )
+    return HostError(
+        err.host,
+        "the password was refused (or password login is disabled there)",
+        hint="check the password and user; sshd needs PasswordAuthentication "
+        "(or KbdInteractiveAuthentication) for the first login",
+        kind="auth-refused",
+    )
 
 
 def _still_refused(err: HostError) -> HostError:
     if err.kind != "auth-refused":
         return err
-    return HostError(err.host, "the key was installed but key login is still refused",
-                     hint="sshd may read another AuthorizedKeysFile, or StrictModes rejects the "
-                          "permissions of the home directory or ~/.ssh", kind="auth-refused")
+    return HostError(
+        err.host,
+        "the key was installed but key login is still refused",
+        hint="sshd may read another AuthorizedKeysFile, or StrictModes rejects the "
+        "permissions of the home directory or ~/.ssh",
+        kind="auth-refused",
+    )
 
 
 async def _all(hosts: list[Host], work: Any) -> dict[str, Any]:
@@ -216,8 +258,9 @@ async def _all(hosts: list[Host], work: Any) -> dict[str, Any]:
     return values
 
 
-def head_identity(options: SetupOptions, verdicts: Mapping[str, HostKeys], asker: Asker
-                  ) -> tuple[keys.Identity | None, tuple[str, ...]]:
+def head_identity(
+    options: SetupOptions, verdicts: Mapping[str, HostKeys], asker: Asker
+) -> tuple[keys.Identity | None, tuple[str, ...]]:
     found = keys.find(options.identity, [v.target for v in verdicts.values()])
     if found is not None:
         return found, ()
@@ -232,8 +275,9 @@ def head_identity(options: SetupOptions, verdicts: Mapping[str, HostKeys], asker
 # the head's known_hosts
 
 
-def head_known_hosts(verdicts: Mapping[str, HostKeys], cid: str, *, dry_run: bool,
-                     remove: bool = False) -> list[str]:
+def head_known_hosts(
+    verdicts: Mapping[str, HostKeys], cid: str, *, dry_run: bool, remove: bool = False
+) -> list[str]:
     """Add newly trusted keys to (or, ``remove``, drop) corral's block in the head's known_hosts."""
     by_file: dict[str, list[str]] = {}
     for v in verdicts.values():
@@ -242,8 +286,9 @@ def head_known_hosts(verdicts: Mapping[str, HostKeys], cid: str, *, dry_run: boo
         path = v.target.known_hosts[0]
         lines = by_file.setdefault(path, [])
         if v.status == "new":
-            lines += hostkeys.known_hosts_lines([v.target.key_name], v.target.port, v.keys,
-                                                hashed=v.target.hash_known_hosts)
+            lines += hostkeys.known_hosts_lines(
+                [v.target.key_name], v.target.port, v.keys, hashed=v.target.hash_known_hosts
+            )
     changes = []
     for path, new_lines in by_file.items():
         text = nodeside.read(path)
@@ -278,22 +323,51 @@ async def setup(cluster: Cluster, options: SetupOptions, asker: Asker) -> SetupR
     identity, head_changes = head_identity(options, verdicts, asker)
     head_key = identity.public_key if identity else None
     async with PasswordBroker(max_answers=8) as broker:
-        session = Session(cluster, verdicts, broker, identity=identity.path if identity else None,
-                          connect_timeout=options.connect_timeout)
+        session = Session(
+            cluster,
+            verdicts,
+            broker,
+            identity=identity.path if identity else None,
+            connect_timeout=options.connect_timeout,
+        )
         try:
             asker.step("logging in to every node")
-            facts = await log_in(session, cluster, head_key, options, asker, fn="inspect",
-                                 args={"cluster_id": cid, "dry_run": options.dry_run})
+            facts = await log_in(
+                session,
+                cluster,
+                head_key,
+                options,
+                asker,
+                fn="inspect",
+                args={"cluster_id": cid, "dry_run": options.dry_run},
+            )
             _check_etc_hosts(cluster, facts, options)
             all_peers = plan.peers(verdicts, facts)
-            facts_with_key = {n: {**f, "public_key": f.get("public_key") or f"(new key of {n})"}
-                              for n, f in facts.items()}
-            wanted = plan.blocks(head_key or "(this machine's new key)", all_peers, facts_with_key,
-                                 want_ssh_config=options.ssh_config, want_etc_hosts=options.etc_hosts)
-            asker.step("writing authorized_keys, known_hosts" + (", ssh config" if options.ssh_config else "")
-                       + (", /etc/hosts" if options.etc_hosts else "") + " on every node")
-            applied = await _all(list(cluster.hosts), lambda h: session.call(
-                h, "apply", {"cluster_id": cid, "blocks": wanted[h.name], "dry_run": options.dry_run}))
+            facts_with_key = {
+                n: {**f, "public_key": f.get("public_key") or f"(new key of {n})"}
+                for n, f in facts.items()
+            }
+            wanted = plan.blocks(
+                head_key or "(this machine's new key)",
+                all_peers,
+                facts_with_key,
+                want_ssh_config=options.ssh_config,
+                want_etc_hosts=options.etc_hosts,
+            )
+            asker.step(
+                "writing authorized_keys, known_hosts"
+                + (", ssh config" if options.ssh_config else "")
+                + (", /etc/hosts" if options.etc_hosts else "")
+                + " on every node"
+            )
+            applied = await _all(
+                list(cluster.hosts),
+                lambda h: session.call(
+                    h,
+                    "apply",
+                    {"cluster_id": cid, "blocks": wanted[h.name], "dry_run": options.dry_run},
+                ),
+            )
             head_changes += tuple(head_known_hosts(verdicts, cid, dry_run=options.dry_run))
             matrix = None
             if not options.dry_run:
@@ -302,12 +376,20 @@ async def setup(cluster: Cluster, options: SetupOptions, asker: Asker) -> SetupR
                 matrix = await run_matrix(list(cluster.hosts), all_peers, session.call, bare=bare)
         finally:
             session.close()
-    nodes = {h.name: tuple(session.extra_changes.get(h.name, [])) + tuple(facts[h.name].get("changes", []))
-             + tuple(applied[h.name]) for h in cluster.hosts}
+    nodes = {
+        h.name: tuple(session.extra_changes.get(h.name, []))
+        + tuple(facts[h.name].get("changes", []))
+        + tuple(applied[h.name])
+        for h in cluster.hosts
+    }
     return SetupReport(
-        cluster_id=cid, dry_run=options.dry_run, nodes=nodes, head=head_changes,
+        cluster_id=cid,
+        dry_run=options.dry_run,
+        nodes=nodes,
+        head=head_changes,
         by_password=tuple(sorted(broker.used)),
-        matrix=matrix, warnings=tuple(_warnings(cluster, verdicts, wanted)),
+        matrix=matrix,
+        warnings=tuple(_warnings(cluster, verdicts, wanted)),
         trusted=tuple(v.target.host.name for v in verdicts.values() if v.status == "new"),
     )
 
@@ -315,21 +397,31 @@ async def setup(cluster: Cluster, options: SetupOptions, asker: Asker) -> SetupR
 def _check_etc_hosts(cluster: Cluster, facts: Mapping[str, dict], options: SetupOptions) -> None:
     if not options.etc_hosts:
         return
-    denied = [HostError(n, f"/etc/hosts is not writable for {f.get('user')}",
-                        hint="run setup as root for --etc-hosts (user = \"root\" in the cluster file), "
-                             "or leave --etc-hosts out and use --ssh-config",
-                        kind="etc-hosts-denied")
-              for n, f in facts.items() if not f.get("etc_hosts_writable")]
+    denied = [
+        HostError(
+            n,
+            f"/etc/hosts is not writable for {f.get('user')}",
+            hint='run setup as root for --etc-hosts (user = "root" in the cluster file), '
+            "or leave --etc-hosts out and use --ssh-config",
+            kind="etc-hosts-denied",
+        )
+        for n, f in facts.items()
+        if not f.get("etc_hosts_writable")
+    ]
     if denied:
         raise PreflightError(denied, what="--etc-hosts")
 
 
-def _warnings(cluster: Cluster, verdicts: Mapping[str, HostKeys], wanted: Mapping[str, dict]) -> list[str]:
+def _warnings(
+    cluster: Cluster, verdicts: Mapping[str, HostKeys], wanted: Mapping[str, dict]
+) -> list[str]:
     out = []
     ports = sorted({v.target.port for v in verdicts.values()} - {22})
     if ports and not all("ssh_config" in w for w in wanted.values()):
-        out.append(f"nodes listen on port {', '.join(map(str, ports))}: tools on the nodes (pdsh, "
-                   "DeepSpeed's runner, plain `ssh NAME`) dial 22 unless told; add --ssh-config")
+        out.append(
+            f"nodes listen on port {', '.join(map(str, ports))}: tools on the nodes (pdsh, "
+            "DeepSpeed's runner, plain `ssh NAME`) dial 22 unless told; add --ssh-config"
+        )
     return out
 
 
@@ -340,21 +432,37 @@ async def teardown(cluster: Cluster, options: SetupOptions, asker: Asker) -> Set
     verdicts = await check_host_keys(cluster, options, asker)
     found = keys.find(options.identity, [v.target for v in verdicts.values()])
     async with PasswordBroker(max_answers=8) as broker:
-        session = Session(cluster, verdicts, broker, identity=found.path if found else None,
-                          connect_timeout=options.connect_timeout)
+        session = Session(
+            cluster,
+            verdicts,
+            broker,
+            identity=found.path if found else None,
+            connect_timeout=options.connect_timeout,
+        )
         try:
             asker.step("removing corral's blocks on every node")
             # Teardown never installs a key: a refused key login falls back to the password.
-            changes = await log_in(session, cluster, None, options, asker, fn="teardown",
-                                   args={"cluster_id": cid, "dry_run": options.dry_run})
+            changes = await log_in(
+                session,
+                cluster,
+                None,
+                options,
+                asker,
+                fn="teardown",
+                args={"cluster_id": cid, "dry_run": options.dry_run},
+            )
             if not options.dry_run:
                 await session.close_masters()
         finally:
             session.close()
     head = tuple(head_known_hosts(verdicts, cid, dry_run=options.dry_run, remove=True))
-    return SetupReport(cluster_id=cid, dry_run=options.dry_run,
-                       nodes={h.name: tuple(changes[h.name]) for h in cluster.hosts}, head=head,
-                       by_password=tuple(sorted(broker.used)))
+    return SetupReport(
+        cluster_id=cid,
+        dry_run=options.dry_run,
+        nodes={h.name: tuple(changes[h.name]) for h in cluster.hosts},
+        head=head,
+        by_password=tuple(sorted(broker.used)),
+    )
 
 
 async def check(cluster: Cluster, options: SetupOptions, asker: Asker) -> Matrix:
@@ -364,12 +472,21 @@ async def check(cluster: Cluster, options: SetupOptions, asker: Asker) -> Matrix
     verdicts = await check_host_keys(cluster, options, asker)
     found = keys.find(options.identity, [v.target for v in verdicts.values()])
     async with PasswordBroker() as broker:
-        session = Session(cluster, verdicts, broker, identity=found.path if found else None,
-                          connect_timeout=options.connect_timeout)
+        session = Session(
+            cluster,
+            verdicts,
+            broker,
+            identity=found.path if found else None,
+            connect_timeout=options.connect_timeout,
+        )
         try:
-            facts = await _all(list(cluster.hosts), lambda h: session.call(
-                h, "inspect", {"cluster_id": cid, "dry_run": True}))
+            facts = await _all(
+                list(cluster.hosts),
+                lambda h: session.call(h, "inspect", {"cluster_id": cid, "dry_run": True}),
+            )
             bare = {n: bool(f.get("has_block", {}).get("ssh_config")) for n, f in facts.items()}
-            return await run_matrix(list(cluster.hosts), plan.peers(verdicts, facts), session.call, bare=bare)
+            return await run_matrix(
+                list(cluster.hosts), plan.peers(verdicts, facts), session.call, bare=bare
+            )
         finally:
             session.close()

@@ -31,18 +31,20 @@ import sys
 import tempfile
 from pathlib import Path
 
+from typing_extensions import Self
+
 log = logging.getLogger(__name__)
 
 SOCKET_ENV = "CORRAL_ASKPASS_SOCKET"
 HOST_ENV = "CORRAL_ASKPASS_HOST"
 
 # The helper ssh runs: stdlib, no site, reads nothing but its socket.
-_HELPER = """\
+_HELPER = f"""\
 import os, socket, sys
 prompt = sys.argv[1] if len(sys.argv) > 1 else ""
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect(os.environ["{sock}"])
-s.sendall((os.environ.get("{host}", "") + "\\0" + prompt + "\\n").encode())
+s.connect(os.environ["{SOCKET_ENV}"])
+s.sendall((os.environ.get("{HOST_ENV}", "") + "\\0" + prompt + "\\n").encode())
 data = b""
 while True:
     chunk = s.recv(4096)
@@ -52,7 +54,7 @@ while True:
 if not data.startswith(b"+"):
     sys.exit(1)
 sys.stdout.write(data[1:].decode() + "\\n")
-""".format(sock=SOCKET_ENV, host=HOST_ENV)
+"""
 
 
 def is_password_prompt(prompt: str) -> bool:
@@ -94,7 +96,7 @@ class PasswordBroker:
         assert self._dir is not None, "use `async with PasswordBroker(...)`"
         return self._dir / "askpass"
 
-    async def __aenter__(self) -> PasswordBroker:
+    async def __aenter__(self) -> Self:
         self._dir = Path(tempfile.mkdtemp(prefix="corral-askpass-"))
         os.chmod(self._dir, 0o700)
         helper = self.helper_path
@@ -116,12 +118,14 @@ class PasswordBroker:
     def env_for(self, host: str, base: dict[str, str] | None = None) -> dict[str, str]:
         """The environment an ssh for ``host`` runs with: no password in it."""
         env = dict(os.environ if base is None else base)
-        env.update({
-            "SSH_ASKPASS": str(self.helper_path),
-            "SSH_ASKPASS_REQUIRE": "force",
-            SOCKET_ENV: str(self.socket_path),
-            HOST_ENV: host,
-        })
+        env.update(
+            {
+                "SSH_ASKPASS": str(self.helper_path),
+                "SSH_ASKPASS_REQUIRE": "force",
+                SOCKET_ENV: str(self.socket_path),
+                HOST_ENV: host,
+            }
+        )
         env.setdefault("DISPLAY", ":0")  # OpenSSH < 8.4 ignores SSH_ASKPASS without it
         return env
 

@@ -102,11 +102,15 @@ def _target(cluster: Cluster, host: Host) -> Target:
     # Exactly the options corral's transport passes, so -G answers for the real connection.
     base = SSHTransport(cluster).base_argv(host)
     argv = [base[0], "-G", *base[1:]]
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=15, check=False)
+    proc = subprocess.run(
+        argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=15, check=False
+    )
     if proc.returncode != 0:
-        raise HostError(host.name, f"ssh cannot read its configuration: {proc.stderr.strip()}",
-                        hint=f"`{' '.join(argv)}` shows the problem")
+        raise HostError(
+            host.name,
+            f"ssh cannot read its configuration: {proc.stderr.strip()}",
+            hint=f"`{' '.join(argv)}` shows the problem",
+        )
     fields: dict[str, list[str]] = {}
     for line in proc.stdout.splitlines():
         key, _, value = line.partition(" ")
@@ -117,9 +121,14 @@ def _target(cluster: Cluster, host: Host) -> Target:
 
     hostname = one("hostname", host.name)
     return Target(
-        host=host, hostname=hostname, port=int(one("port", "22")), user=one("user"),
+        host=host,
+        hostname=hostname,
+        port=int(one("port", "22")),
+        user=one("user"),
         key_name=one("hostkeyalias") or hostname,
-        known_hosts=tuple(expand(p) for p in " ".join(fields.get("userknownhostsfile", [])).split()),
+        known_hosts=tuple(
+            expand(p) for p in " ".join(fields.get("userknownhostsfile", [])).split()
+        ),
         global_known_hosts=tuple(" ".join(fields.get("globalknownhostsfile", [])).split()),
         hash_known_hosts=one("hashknownhosts", "no") == "yes",
         identity_files=tuple(expand(p) for p in fields.get("identityfile", [])),
@@ -130,18 +139,23 @@ async def scan(target: Target) -> list[tuple[str, str]]:
     """The host keys ``target`` offers, as (type, blob); HostError when none."""
     argv = ["ssh-keyscan", "-T", str(KEYSCAN_TIMEOUT_S), "-p", str(target.port), target.hostname]
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await proc.communicate()
     keys = parse_keys(out.decode(errors="replace"))
     if not keys:
-        reason = [l for l in err.decode(errors="replace").splitlines() if l and not l.startswith("#")]
+        reason = [
+            l for l in err.decode(errors="replace").splitlines() if l and not l.startswith("#")
+        ]
         raise HostError(
             target.host.name,
             f"no SSH host key from {target.hostname}:{target.port}"
             + (f" ({reason[-1]})" if reason else ""),
             hint="check that the host is up and sshd listens on that port "
-                 "(containers often use `port = 2222` in corral.toml)",
+            "(containers often use `port = 2222` in corral.toml)",
             kind="unreachable",
         )
     return keys
@@ -166,8 +180,13 @@ def known_keys(target: Target) -> tuple[list[tuple[str, str]], list[tuple[str, s
     for path in (*target.known_hosts, *target.global_known_hosts):
         if not os.path.isfile(path):
             continue
-        proc = subprocess.run(["ssh-keygen", "-F", target.lookup, "-f", path],
-                              capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            ["ssh-keygen", "-F", target.lookup, "-f", path],
+            capture_output=True,
+            text=True,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
         for line in proc.stdout.splitlines():
             fields = line.split()
             if not fields or fields[0].startswith("#"):
@@ -186,24 +205,31 @@ def judge(target: Target, offered: list[tuple[str, str]]) -> HostKeys:
     trusted, revoked = known_keys(target)
     bad = [k for k in offered if k in revoked]
     if bad:
-        return HostKeys(target=target, status="changed", detail=f"its {bad[0][0]} key is marked @revoked")
+        return HostKeys(
+            target=target, status="changed", detail=f"its {bad[0][0]} key is marked @revoked"
+        )
     matching = [k for k in offered if k in trusted]
     if matching:
         return HostKeys(target=target, status="known", keys=tuple(matching))
     if trusted:
         known_types = sorted({t for t, _ in trusted})
-        return HostKeys(target=target, status="changed",
-                        detail=f"it offers {', '.join(t for t, _ in offered)} key(s) that differ from the "
-                               f"{', '.join(known_types)} key(s) known for {target.lookup}")
-    return HostKeys(target=target, status="new", keys=tuple(offered),
-                    fingerprints=tuple(fingerprints(offered)))
+        return HostKeys(
+            target=target,
+            status="changed",
+            detail=f"it offers {', '.join(t for t, _ in offered)} key(s) that differ from the "
+            f"{', '.join(known_types)} key(s) known for {target.lookup}",
+        )
+    return HostKeys(
+        target=target, status="new", keys=tuple(offered), fingerprints=tuple(fingerprints(offered))
+    )
 
 
 def fingerprints(keys: list[tuple[str, str]]) -> list[str]:
     """``ssh-keygen -l`` lines ("256 SHA256:... (ED25519)") for each key."""
     text = "".join(f"key {t} {b}\n" for t, b in keys)
-    proc = subprocess.run(["ssh-keygen", "-l", "-f", "-"], input=text, capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run(
+        ["ssh-keygen", "-l", "-f", "-"], input=text, capture_output=True, text=True, check=False
+    )
     out = []
     for line in proc.stdout.splitlines():
         fields = line.split()
@@ -218,7 +244,7 @@ def changed_error(verdict: HostKeys) -> HostError:
         t.host.name,
         f"its host key has CHANGED: {verdict.detail}",
         hint=f"if {t.host.name} was reinstalled, check the new key out of band, then "
-             f"`ssh-keygen -R '{t.lookup}'` and run again; otherwise this may be an attack",
+        f"`ssh-keygen -R '{t.lookup}'` and run again; otherwise this may be an attack",
         kind="host-key-changed",
     )
 
@@ -237,8 +263,9 @@ def patterns(names: list[str], port: int) -> list[str]:
     return out
 
 
-def known_hosts_lines(names: list[str], port: int, keys: tuple[tuple[str, str], ...],
-                      *, hashed: bool = False) -> list[str]:
+def known_hosts_lines(
+    names: list[str], port: int, keys: tuple[tuple[str, str], ...], *, hashed: bool = False
+) -> list[str]:
     """known_hosts lines for one host under all its names (hashed like ssh does)."""
     pats = patterns(names, port)
     if not hashed:

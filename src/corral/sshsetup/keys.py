@@ -32,14 +32,20 @@ class Identity:
 def read_public(path: Path, *, flag: str = "--identity") -> str:
     pub = Path(str(path) + ".pub")
     if not path.exists():
-        raise UsageError(f"{flag} {path}: no such file",
-                         hint="give the private key; its .pub must sit next to it")
+        raise UsageError(
+            f"{flag} {path}: no such file",
+            hint="give the private key; its .pub must sit next to it",
+        )
     if not pub.exists():
-        raise UsageError(f"{flag} {path}: {pub} is missing",
-                         hint=f"recreate it with `ssh-keygen -y -f {path} > {pub}`")
+        raise UsageError(
+            f"{flag} {path}: {pub} is missing",
+            hint=f"recreate it with `ssh-keygen -y -f {path} > {pub}`",
+        )
     line = pub.read_text().strip()
     if len(line.split()) < 2:
-        raise UsageError(f"{pub}: not an OpenSSH public key", hint="expected 'ssh-ed25519 AAAA... comment'")
+        raise UsageError(
+            f"{pub}: not an OpenSSH public key", hint="expected 'ssh-ed25519 AAAA... comment'"
+        )
     return line
 
 
@@ -71,14 +77,30 @@ def generate(path: Path, confirm: Callable[[Path], bool]) -> Identity:
     if not confirm(path):
         raise UsageError(
             "this machine has no SSH key to install on the nodes",
-            hint=f"let corral create {path} (answer yes, or pass --yes), or name one with --identity FILE",
+            hint=f"let corral create {path} (answer yes, or pass --yes), "
+            "or name one with --identity FILE",
         )
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     proc = subprocess.run(
-        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"{os.environ.get('USER', 'corral')}@corral-head",
-         "-f", str(path)],
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
+        [
+            "ssh-keygen",
+            "-q",
+            "-t",
+            "ed25519",
+            "-N",
+            "",
+            "-C",
+            f"{os.environ.get('USER', 'corral')}@corral-head",
+            "-f",
+            str(path),
+        ],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if proc.returncode != 0:
-        raise UsageError(f"ssh-keygen could not create {path}: {(proc.stderr or proc.stdout).strip()}")
+        raise UsageError(
+            f"ssh-keygen could not create {path}: {(proc.stderr or proc.stdout).strip()}"
+        )
     return Identity(path=path, public_key=read_public(path), generated=True)

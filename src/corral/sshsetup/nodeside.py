@@ -52,16 +52,16 @@ class NodeError(Exception):
 
 
 def begin_marker(cid: str) -> str:
-    return "# corral begin %s" % cid
+    return f"# corral begin {cid}"
 
 
 def end_marker(cid: str) -> str:
-    return "# corral end %s" % cid
+    return f"# corral end {cid}"
 
 
 def check_id(cid: str) -> str:
     if not _ID_RE.match(cid):
-        raise NodeError("bad cluster id %r: use letters, digits, '.', '_' and '-'" % cid, "usage")
+        raise NodeError(f"bad cluster id {cid!r}: use letters, digits, '.', '_' and '-'", "usage")
     return cid
 
 
@@ -74,11 +74,11 @@ def find_block(text: str, cid: str):
         if start < 0:
             return None
         line_end = text.find("\n", start)
-        whole = text[start:line_end if line_end >= 0 else len(text)]
+        whole = text[start : line_end if line_end >= 0 else len(text)]
         if (start == 0 or text[start - 1] == "\n") and whole.rstrip() == begin:
             stop = text.find("\n" + end, start)
             if stop < 0:
-                raise NodeError("unterminated corral block %r (no %r line)" % (cid, end), "corrupt")
+                raise NodeError(f"unterminated corral block {cid!r} (no {end!r} line)", "corrupt")
             stop = text.find("\n", stop + 1)
             return start, (len(text) if stop < 0 else stop + 1)
         pos = start + 1
@@ -89,7 +89,7 @@ def block_lines(text: str, cid: str):
     span = find_block(text, cid)
     if span is None:
         return None
-    inner = text[span[0]:span[1]].splitlines()[1:-1]
+    inner = text[span[0] : span[1]].splitlines()[1:-1]
     return inner
 
 
@@ -107,7 +107,7 @@ def set_block(text: str, cid: str, lines):
     span = find_block(text, cid)
     block = render_block(cid, lines)
     if span is not None:
-        return text[:span[0]] + block + text[span[1]:], False
+        return text[: span[0]] + block + text[span[1] :], False
     if text and not text.endswith("\n"):
         return text + "\n" + block, True
     return text + block, False
@@ -159,12 +159,12 @@ def write(path: str, text: str, mode: int) -> None:
                 fh.truncate()
             return
         except PermissionError:
-            raise NodeError("cannot write %s as %s" % (path, _user()), "etc-hosts-denied") from None
+            raise NodeError(f"cannot write {path} as {_user()}", "etc-hosts-denied") from None
     try:
         mode = os.stat(path).st_mode & 0o7777
     except FileNotFoundError:
         pass
-    tmp = "%s.corral-tmp" % path
+    tmp = f"{path}.corral-tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -238,11 +238,18 @@ def _public_key(key: str) -> str:
     pub = key + ".pub"
     if os.path.exists(pub):
         return read(pub).strip()
-    proc = subprocess.run(["ssh-keygen", "-y", "-P", "", "-f", key], stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+    proc = subprocess.run(
+        ["ssh-keygen", "-y", "-P", "", "-f", key],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
-        raise NodeError("%s has no .pub and has a passphrase; node-to-node logins need a key "
-                        "without one" % key, "key-passphrase")
+        raise NodeError(
+            f"{key} has no .pub and has a passphrase; node-to-node logins need a key without one",
+            "key-passphrase",
+        )
     return proc.stdout.strip()
 
 
@@ -258,18 +265,23 @@ def inspect(cluster_id: str, dry_run: bool = False) -> dict:
         _uses(man, key, cid)
         _uses(man, key + ".pub", cid)
     elif dry_run:
-        changes.append("generate ~/.ssh/%s" % KEY_NAME)
+        changes.append(f"generate ~/.ssh/{KEY_NAME}")
     else:
-        comment = "corral@%s" % socket.gethostname()
-        proc = subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", key],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              universal_newlines=True)
+        comment = f"corral@{socket.gethostname()}"
+        proc = subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", key],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            check=False,
+        )
         if proc.returncode != 0:
-            raise NodeError("ssh-keygen failed: %s" % proc.stdout.strip(), "keygen")
+            raise NodeError(f"ssh-keygen failed: {proc.stdout.strip()}", "keygen")
         _note_created(man, key, cid)
         _note_created(man, key + ".pub", cid)
         pub = read(key + ".pub").strip()
-        changes.append("generated ~/.ssh/%s" % KEY_NAME)
+        changes.append(f"generated ~/.ssh/{KEY_NAME}")
     if not dry_run:
         save_manifest(man)
     names = [socket.gethostname()]
@@ -277,8 +289,13 @@ def inspect(cluster_id: str, dry_run: bool = False) -> dict:
     if fqdn and fqdn not in names and fqdn != "localhost":
         names.append(fqdn)
     return {
-        "user": _user(), "uid": os.getuid(), "home": home(), "hostnames": names, "public_key": pub,
-        "changes": changes, "etc_hosts_writable": os.access(ETC_HOSTS, os.W_OK),
+        "user": _user(),
+        "uid": os.getuid(),
+        "home": home(),
+        "hostnames": names,
+        "public_key": pub,
+        "changes": changes,
+        "etc_hosts_writable": os.access(ETC_HOSTS, os.W_OK),
         "has_block": {k: block_lines(read(path_of(k)), cid) is not None for k in FILES},
     }
 
@@ -302,11 +319,12 @@ def apply(cluster_id: str, blocks: dict, dry_run: bool = False) -> list:
             _uses(man, path, cid)
             continue
         if kind == "etc_hosts" and not os.access(path, os.W_OK):
-            raise NodeError("%s is not writable for %s" % (path, _user()), "etc-hosts-denied")
+            raise NodeError(f"{path} is not writable for {_user()}", "etc-hosts-denied")
         new_text, newline = set_block(text, cid, lines)
         added = len(set(lines) - set(old or []))
         removed = len(set(old or []) - set(lines))
-        changes.append("%s: %s (+%d -%d lines)" % (_short(path), "updated" if old is not None else "added block", added, removed))
+        what = "updated" if old is not None else "added block"
+        changes.append(f"{_short(path)}: {what} (+{added} -{removed} lines)")
         if dry_run:
             continue
         write(path, new_text, mode)
@@ -340,7 +358,7 @@ def add_authorized_key(cluster_id: str, key: str, dry_run: bool = False) -> list
 
 def _short(path: str) -> str:
     h = home()
-    return "~" + path[len(h):] if path.startswith(h + "/") else path
+    return "~" + path[len(h) :] if path.startswith(h + "/") else path
 
 
 def teardown(cluster_id: str, dry_run: bool = False) -> list:
@@ -358,7 +376,7 @@ def teardown(cluster_id: str, dry_run: bool = False) -> list:
         if find_block(text, cid) is None:
             continue
         after[path] = strip_block(text, cid, cid in man["newline"].get(path, []))
-        changes.append("%s: removed block" % _short(path))
+        changes.append(f"{_short(path)}: removed block")
         if not dry_run:
             write(path, after[path], 0o600)
     # Forget this id; what no other id uses any more is corral's to delete.
@@ -382,7 +400,7 @@ def teardown(cluster_id: str, dry_run: bool = False) -> list:
         content = after.get(path, None)
         is_key = os.path.basename(path) in (KEY_NAME, KEY_NAME + ".pub")
         if is_key or not (read(path) if content is None else content).strip():
-            changes.append("deleted %s" % _short(path))
+            changes.append(f"deleted {_short(path)}")
             deleted.add(path)
             if not dry_run:
                 os.unlink(path)
@@ -390,10 +408,13 @@ def teardown(cluster_id: str, dry_run: bool = False) -> list:
     if not dry_run:
         save_manifest(man)
     for path in sorted((p for p in orphans if os.path.isdir(p)), reverse=True):
-        left = [n for n in os.listdir(path)
-                if os.path.join(path, n) not in deleted and not (n == MANIFEST and manifest_goes)]
+        left = [
+            n
+            for n in os.listdir(path)
+            if os.path.join(path, n) not in deleted and not (n == MANIFEST and manifest_goes)
+        ]
         if not left:
-            changes.append("deleted %s" % _short(path))
+            changes.append(f"deleted {_short(path)}")
             if not dry_run:
                 os.rmdir(path)
     return changes
@@ -405,19 +426,25 @@ def matrix(targets: list, timeout: float = 10.0) -> dict:
 
     def one(target: dict) -> None:
         try:
-            proc = subprocess.run(target["argv"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, universal_newlines=True, timeout=timeout)
+            proc = subprocess.run(
+                target["argv"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
-            out[target["name"]] = "timed out after %.0fs" % timeout
+            out[target["name"]] = f"timed out after {timeout:.0f}s"
             return
         except OSError as e:
-            out[target["name"]] = "cannot run ssh: %s" % e
+            out[target["name"]] = f"cannot run ssh: {e}"
             return
         if proc.returncode == 0:
             out[target["name"]] = "ok"
         else:
             lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
-            out[target["name"]] = lines[-1] if lines else "exit code %d" % proc.returncode
+            out[target["name"]] = lines[-1] if lines else f"exit code {proc.returncode}"
 
     threads = [threading.Thread(target=one, args=(t,)) for t in targets]
     for t in threads:

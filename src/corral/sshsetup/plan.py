@@ -52,11 +52,19 @@ def peers(verdicts: Mapping[str, HostKeys], facts: Mapping[str, dict]) -> list[P
     out = []
     for name, verdict in verdicts.items():
         target = verdict.target
-        own = [n for n in facts.get(name, {}).get("hostnames", []) if n and n != name and not is_ip(n)]
-        out.append(Peer(
-            name=name, address=address_of(target), port=target.port, user=target.host.user,
-            aliases=tuple(dict.fromkeys(own)), keys=verdict.keys,
-        ))
+        own = [
+            n for n in facts.get(name, {}).get("hostnames", []) if n and n != name and not is_ip(n)
+        ]
+        out.append(
+            Peer(
+                name=name,
+                address=address_of(target),
+                port=target.port,
+                user=target.host.user,
+                aliases=tuple(dict.fromkeys(own)),
+                keys=verdict.keys,
+            )
+        )
     return out
 
 
@@ -92,8 +100,11 @@ def ssh_config(all_peers: list[Peer]) -> list[str]:
 
 
 def etc_hosts(all_peers: list[Peer]) -> list[str]:
-    return [f"{p.address}\t{' '.join([p.name, *p.aliases])}" for p in all_peers
-            if p.address and is_ip(p.address) and not is_ip(p.name)]
+    return [
+        f"{p.address}\t{' '.join([p.name, *p.aliases])}"
+        for p in all_peers
+        if p.address and is_ip(p.address) and not is_ip(p.name)
+    ]
 
 
 def blocks(
@@ -109,7 +120,10 @@ def blocks(
     The ssh config and /etc/hosts blocks are written when asked for, and
     kept up to date where an earlier run wrote them.
     """
-    common = {"authorized_keys": authorized_keys(head_key, facts), "known_hosts": known_hosts(all_peers)}
+    common = {
+        "authorized_keys": authorized_keys(head_key, facts),
+        "known_hosts": known_hosts(all_peers),
+    }
     out: dict[str, dict[str, list[str]]] = {}
     for p in all_peers:
         has = facts.get(p.name, {}).get("has_block", {})
@@ -130,9 +144,22 @@ def matrix_argv(peer: Peer, *, bare: bool) -> list[str]:
     Host keys are checked strictly and never written; no multiplexing, so
     each cell is a real login.
     """
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "UpdateHostKeys=no",
-            "-o", f"ConnectTimeout={MATRIX_CONNECT_TIMEOUT_S}", "-o", "ControlPath=none",
-            "-o", "LogLevel=ERROR", "-T"]
+    argv = [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "UpdateHostKeys=no",
+        "-o",
+        f"ConnectTimeout={MATRIX_CONNECT_TIMEOUT_S}",
+        "-o",
+        "ControlPath=none",
+        "-o",
+        "LogLevel=ERROR",
+        "-T",
+    ]
     if not bare:
         if peer.port != 22:
             argv += ["-p", str(peer.port)]

@@ -8,7 +8,8 @@ it always uses ``BatchMode`` and lives for a whole job.  This module sends a
 self-contained stdlib module and the name of one function on ssh's stdin,
 runs it with the node's own ``python3`` and reads one JSON result back::
 
-    value = await call_node(argv_for(cluster, host), NODESIDE_SOURCE, "inspect", {"cluster_id": "x"})
+    argv = ssh_argv(cluster, host, remote_command(host.python))
+    value = await call_node(host, argv, "sshsetup", SOURCE, "inspect", {"cluster_id": "x"})
 
 The remote command line is short and fixed (``python3 -c BOOT``); the
 module, the arguments and, for streaming calls, the data follow on stdin.
@@ -22,8 +23,8 @@ import asyncio
 import json
 import logging
 import shlex
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from corral.errors import HostError
 from corral.model import Cluster, Host
@@ -38,7 +39,8 @@ MARK = "@@corral-result@@"
 _BOOT = r"""
 import json, sys
 if sys.version_info < (3, 8):
-    sys.stdout.write("\n@@corral-result@@" + json.dumps({"error": "corral needs Python 3.8+ on the node, found " + sys.version.split()[0], "kind": "python"}) + "\n")
+    _e = "corral needs Python 3.8+ on the node, found " + sys.version.split()[0]
+    sys.stdout.write("\n@@corral-result@@" + json.dumps({"error": _e, "kind": "python"}) + "\n")
     raise SystemExit(3)
 _g = {"__name__": "corral_node_" + _h["mod"], "_CORRAL_HEADER": _h}
 exec(compile(_h["src"], "<corral:%s>" % _h["mod"], "exec"), _g)
@@ -68,7 +70,9 @@ class RemoteError(Exception):
         self.kind = kind
 
 
-def payload(module: str, source: str, fn: str, args: dict[str, Any], *, stream: bool = False) -> bytes:
+def payload(
+    module: str, source: str, fn: str, args: dict[str, Any], *, stream: bool = False
+) -> bytes:
     """Length-prefixed JSON header: what goes on stdin before any data."""
     body = json.dumps(
         {"boot": _BOOT, "mod": module, "src": source, "fn": fn, "args": args, "stream": stream}
@@ -108,7 +112,7 @@ def parse_result(stdout: bytes) -> tuple[bool, Any]:
     idx = text.rfind(MARK)
     if idx < 0:
         return False, None
-    line = text[idx + len(MARK):].splitlines()[0] if text[idx + len(MARK):] else ""
+    line = text[idx + len(MARK) :].splitlines()[0] if text[idx + len(MARK) :] else ""
     try:
         return True, json.loads(line)
     except ValueError:
@@ -144,18 +148,28 @@ async def call_node(
             start_new_session=True,  # no tty: ssh never prompts on ours
         )
     except FileNotFoundError as e:
-        raise HostError(host.name, f"cannot run {argv[0]!r}: {e.strerror}",
-                        hint="install the OpenSSH client (apt-get install openssh-client)") from None
+        raise HostError(
+            host.name,
+            f"cannot run {argv[0]!r}: {e.strerror}",
+            hint="install the OpenSSH client (apt-get install openssh-client)",
+        ) from None
     try:
-        out, err = await asyncio.wait_for(proc.communicate(payload(module, source, fn, args)), timeout)
+        out, err = await asyncio.wait_for(
+            proc.communicate(payload(module, source, fn, args)), timeout
+        )
     except asyncio.TimeoutError:
         proc.kill()
         await proc.wait()
-        raise HostError(host.name, f"{fn} got no answer within {timeout:.0f}s", kind="timeout") from None
+        raise HostError(
+            host.name, f"{fn} got no answer within {timeout:.0f}s", kind="timeout"
+        ) from None
     found, result = parse_result(out)
     if not found:
-        raise failure(host, proc.returncode if proc.returncode is not None else -1,
-                      err.decode(errors="replace"))
+        raise failure(
+            host,
+            proc.returncode if proc.returncode is not None else -1,
+            err.decode(errors="replace"),
+        )
     if "error" in result:
         raise RemoteError(result["error"], kind=result.get("kind", "error"))
     return result.get("value")

@@ -36,8 +36,15 @@ def nodeside_source() -> str:
 class Session:
     """Key and password calls to the hosts of one cluster, with pinned host keys."""
 
-    def __init__(self, cluster: Cluster, verdicts: Mapping[str, HostKeys], broker: PasswordBroker,
-                 *, identity: Path | None, connect_timeout: float = 10.0):
+    def __init__(
+        self,
+        cluster: Cluster,
+        verdicts: Mapping[str, HostKeys],
+        broker: PasswordBroker,
+        *,
+        identity: Path | None,
+        connect_timeout: float = 10.0,
+    ):
         self.cluster = cluster
         self.broker = broker
         self.identity = identity
@@ -57,25 +64,59 @@ class Session:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _pinned(self) -> list[str]:
-        return ["-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "GlobalKnownHostsFile=/dev/null",
-                "-o", "StrictHostKeyChecking=yes", "-o", "UpdateHostKeys=no"]
+        return [
+            "-o",
+            f"UserKnownHostsFile={self.known_hosts}",
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            "UpdateHostKeys=no",
+        ]
 
     def key_argv(self, host: Host, remote: list[str]) -> list[str]:
         first = self._pinned()
         if self.identity is not None:
             first += ["-i", str(self.identity)]
-        return ssh_argv(self.cluster, host, remote, first=first, connect_timeout=self.connect_timeout)
+        return ssh_argv(
+            self.cluster, host, remote, first=first, connect_timeout=self.connect_timeout
+        )
 
     def password_argv(self, host: Host, remote: list[str]) -> list[str]:
-        first = ["-o", "BatchMode=no", "-o", "PubkeyAuthentication=no",
-                 "-o", "PreferredAuthentications=keyboard-interactive,password",
-                 "-o", "NumberOfPasswordPrompts=1", "-o", "ControlMaster=no", "-o", "ControlPath=none",
-                 *self._pinned()]
-        return ssh_argv(self.cluster, host, remote, first=first, multiplex=False,
-                        connect_timeout=self.connect_timeout)
+        first = [
+            "-o",
+            "BatchMode=no",
+            "-o",
+            "PubkeyAuthentication=no",
+            "-o",
+            "PreferredAuthentications=keyboard-interactive,password",
+            "-o",
+            "NumberOfPasswordPrompts=1",
+            "-o",
+            "ControlMaster=no",
+            "-o",
+            "ControlPath=none",
+            *self._pinned(),
+        ]
+        return ssh_argv(
+            self.cluster,
+            host,
+            remote,
+            first=first,
+            multiplex=False,
+            connect_timeout=self.connect_timeout,
+        )
 
-    async def call(self, host: Host, fn: str, args: dict[str, Any], *, password: bool = False,
-                   timeout: float = 120.0) -> Any:
+    async def call(
+        self,
+        host: Host,
+        fn: str,
+        args: dict[str, Any],
+        *,
+        password: bool = False,
+        timeout: float = 120.0,
+    ) -> Any:
         """``nodeside.<fn>(**args)`` on ``host``; by password when asked or when pinned to it."""
         remote = remote_command(host.python)
         if password or host.name in self.by_password:
@@ -84,8 +125,9 @@ class Session:
         else:
             argv = self.key_argv(host, remote)
             env = None
-        return await call_node(host, argv, "sshsetup", nodeside_source(), fn, args,
-                               timeout=timeout, env=env)
+        return await call_node(
+            host, argv, "sshsetup", nodeside_source(), fn, args, timeout=timeout, env=env
+        )
 
     async def close_masters(self) -> None:
         """End multiplexed connections, so a removed key cannot keep working through them."""
@@ -94,8 +136,14 @@ class Session:
         async def one(host: Host) -> None:
             base = transport.base_argv(host)
             proc = await asyncio.create_subprocess_exec(
-                base[0], "-O", "exit", *base[1:], stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+                base[0],
+                "-O",
+                "exit",
+                *base[1:],
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
             await proc.wait()
 
         await asyncio.gather(*(one(h) for h in self.cluster.hosts))

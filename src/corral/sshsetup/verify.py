@@ -46,8 +46,13 @@ class Matrix:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "hosts": list(self.hosts), "ok": self.ok, "unreachable": dict(self.unreachable),
-            "cells": {s: {d: self.cells.get((s, d), "not checked") for d in self.hosts} for s in self.hosts},
+            "hosts": list(self.hosts),
+            "ok": self.ok,
+            "unreachable": dict(self.unreachable),
+            "cells": {
+                s: {d: self.cells.get((s, d), "not checked") for d in self.hosts}
+                for s in self.hosts
+            },
         }
 
 
@@ -62,8 +67,10 @@ async def run_matrix(
     """Ask every node to log in to every peer; ``bare[node]``: it has corral's ssh config."""
 
     async def one(host: Host) -> Any:
-        targets = [{"name": p.name, "argv": matrix_argv(p, bare=bare.get(host.name, False))}
-                   for p in all_peers]
+        targets = [
+            {"name": p.name, "argv": matrix_argv(p, bare=bare.get(host.name, False))}
+            for p in all_peers
+        ]
         return await call(host, "matrix", {"targets": targets, "timeout": timeout})
 
     values, problems = await gather_hosts(hosts, one)
@@ -72,7 +79,8 @@ async def run_matrix(
         for dst, why in row.items():
             cells[(src, dst)] = why
     return Matrix(
-        hosts=tuple(h.name for h in hosts), cells=cells,
+        hosts=tuple(h.name for h in hosts),
+        cells=cells,
         unreachable={p.host: p.message for p in problems},
     )
 

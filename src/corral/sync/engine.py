@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import time
 from collections.abc import Mapping
@@ -100,11 +101,23 @@ class SyncReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "units": [{"source": s, "dest": d, "files": n} for s, d, n in self.units],
-            "tree_hash": self.head_hash, "mode": self.mode, "ok": self.ok, "notes": list(self.notes),
-            "duration_s": round(self.duration_s, 3), "bytes_sent": self.bytes_sent,
-            "nodes": {n: {"hash": r.hash, "copy": list(r.copy), "delete": list(r.delete), "bytes": r.bytes,
-                          "mismatch": dict(r.mismatch), "skipped": r.skipped}
-                      for n, r in self.nodes.items()},
+            "tree_hash": self.head_hash,
+            "mode": self.mode,
+            "ok": self.ok,
+            "notes": list(self.notes),
+            "duration_s": round(self.duration_s, 3),
+            "bytes_sent": self.bytes_sent,
+            "nodes": {
+                n: {
+                    "hash": r.hash,
+                    "copy": list(r.copy),
+                    "delete": list(r.delete),
+                    "bytes": r.bytes,
+                    "mismatch": dict(r.mismatch),
+                    "skipped": r.skipped,
+                }
+                for n, r in self.nodes.items()
+            },
         }
 
 
@@ -117,97 +130,188 @@ def combined(hashes: list[str]) -> str:
 class Syncer:
     """One sync of ``cluster`` (see the module docstring for the steps)."""
 
-    def __init__(self, cluster: Cluster, options: SyncOptions, *, cwd: Path, view: SyncView | None = None):
+    def __init__(
+        self, cluster: Cluster, options: SyncOptions, *, cwd: Path, view: SyncView | None = None
+    ):
         self.cluster = cluster
         self.options = options
         self.cwd = cwd
         self.view = view or _NullView()
         self.notes: list[str] = []
         self.sent = 0
+        self._probe: asyncio.Task | None = None
 
     def _note(self, text: str) -> None:
         self.notes.append(text)
         self.view.note(text)
 
-    async def call(self, host: Host, fn: str, args: dict[str, Any], *, timeout: float = 600.0) -> Any:
+    async def call(
+        self, host: Host, fn: str, args: dict[str, Any], *, timeout: float = 600.0
+    ) -> Any:
         remote = remote_command(host.python)
-        argv = remote if host.local else ssh_argv(self.cluster, host, remote,
-                                                  connect_timeout=self.options.connect_timeout)
+        argv = (
+            remote
+            if host.local
+            else ssh_argv(self.cluster, host, remote, connect_timeout=self.options.connect_timeout)
+        )
         return await call_node(host, argv, "nodetree", _SOURCE, fn, args, timeout=timeout)
 
     # -- steps -------------------------------------------------------------------
 
     async def run(self) -> SyncReport:
+        try:
+            return await self._run()
+        finally:
+            if self._probe is not None and not self._probe.done():
+                self._probe.cancel()
+                await asyncio.gather(self._probe, return_exceptions=True)
+
+    async def _run(self) -> SyncReport:
         t0 = time.monotonic()
-        units = await asyncio.to_thread(filelist.build_units, self.cwd, self.options.paths, self.options.to)
-        heads = await asyncio.to_thread(lambda: [nodetree.manifest(str(u.root), list(u.paths)) for u in units])
-        head_hash = combined([h["hash"] for h in heads])
+        units = await asyncio.to_thread(
+            filelist.build_units, self.cwd, self.options.paths, self.options.to
+        )
+        log.debug("%.2fs: file list (%d unit(s))", time.monotonic() - t0, len(units))
         hosts = [h for h in self.cluster.hosts if not self._is_source(h, units)]
-        skipped = {h.name: NodeResult(name=h.name, hash=head_hash, skipped="this machine: the source itself")
-                   for h in self.cluster.hosts if h not in hosts}
         readonly = self.options.dry_run or self.options.check
-        before = await self._status(hosts, units, heads, scope=self.options.delete, dry_run=readonly)
+        # Three things at once: hashing here, the nodes describing their trees,
+        # and (when large files may need streaming) proving node-to-node logins.
+        if not readonly and self._may_stream(units, hosts):
+            pairs = list(
+                zip([h for h in hosts if not h.local], [h for h in hosts if not h.local][1:])
+            )
+            self._probe = asyncio.create_task(pipeline.reachable(self.cluster, pairs))
+        heads, before = await asyncio.gather(
+            asyncio.to_thread(
+                lambda: [nodetree.manifest(str(u.root), list(u.paths)) for u in units]
+            ),
+            self._status(hosts, units, scope=self.options.delete, dry_run=readonly),
+        )
+        log.debug("%.2fs: manifest here, status of %d node(s)", time.monotonic() - t0, len(hosts))
+        head_hash = combined([h["hash"] for h in heads])
+        skipped = {
+            h.name: NodeResult(
+                name=h.name, hash=head_hash, skipped="this machine: the source itself"
+            )
+            for h in self.cluster.hosts
+            if h not in hosts
+        }
         plans = {h.name: self._plan(h, units, heads, before[h.name]) for h in hosts}
         unit_info = tuple((str(u.root), u.dest, len(u.paths)) for u in units)
         if readonly:
-            nodes = {**skipped, **{n: self._readonly_result(n, p, before[n]) for n, p in plans.items()}}
-            return SyncReport(units=unit_info, head_hash=head_hash, nodes=nodes,
-                              mode="check" if self.options.check else "dry run", notes=tuple(self.notes),
-                              duration_s=time.monotonic() - t0)
+            nodes = {
+                **skipped,
+                **{n: self._readonly_result(n, p, before[n]) for n, p in plans.items()},
+            }
+            return SyncReport(
+                units=unit_info,
+                head_hash=head_hash,
+                nodes=nodes,
+                mode="check" if self.options.check else "dry run",
+                notes=tuple(self.notes),
+                duration_s=time.monotonic() - t0,
+            )
         work = [h for h in hosts if plans[h.name]["copy_n"] or plans[h.name]["delete_n"]]
         mode = "up to date"
+        after: dict[str, list[dict]] = {}
         if work:
             await self._delete(work, units, plans)
             mode = await self._transfer(work, units, heads, plans)
-            after = await self._status(work, units, heads, scope=False, dry_run=False)
-        else:
-            after = {}
+            log.debug("%.2fs: transfer (%s)", time.monotonic() - t0, mode)
+            after = await self._status(work, units, scope=False, dry_run=False)
+            log.debug("%.2fs: verified", time.monotonic() - t0)
         nodes = dict(skipped)
         for h in hosts:
             status = after.get(h.name, before[h.name])
-            mismatch = {f"{u.dest}/{p}": why for u, s in zip(units, status) for p, why in s["differ"].items()}
+            mismatch = {
+                f"{u.dest}/{p}": why
+                for u, hd, s in zip(units, heads, status)
+                for p, why in nodetree.differ(hd["entries"], s["entries"]).items()
+            }
             plan = plans[h.name]
-            nodes[h.name] = NodeResult(name=h.name, copy=tuple(plan["copy"]), delete=tuple(plan["delete"]),
-                                       bytes=plan["bytes"], hash=combined([s["hash"] for s in status]),
-                                       mismatch=mismatch)
-        return SyncReport(units=unit_info, head_hash=head_hash, nodes=nodes, mode=mode, notes=tuple(self.notes),
-                          duration_s=time.monotonic() - t0, bytes_sent=self.sent)
+            nodes[h.name] = NodeResult(
+                name=h.name,
+                copy=tuple(plan["copy"]),
+                delete=tuple(plan["delete"]),
+                bytes=plan["bytes"],
+                hash=combined([s["hash"] for s in status]),
+                mismatch=mismatch,
+            )
+        return SyncReport(
+            units=unit_info,
+            head_hash=head_hash,
+            nodes=nodes,
+            mode=mode,
+            notes=tuple(self.notes),
+            duration_s=time.monotonic() - t0,
+            bytes_sent=self.sent,
+        )
+
+    def _may_stream(self, units: list[Unit], hosts: list[Host]) -> bool:
+        """Could any file need the chain?  (A stat per file; no hashing.)"""
+        if self.options.pipeline == "off" or len([h for h in hosts if not h.local]) < 2:
+            return False
+        for u in units:
+            for rel in u.paths:
+                try:
+                    if (u.root / rel).lstat().st_size >= self.options.pipeline_min_bytes:
+                        return True
+                except OSError:
+                    continue
+        return False
 
     def _is_source(self, host: Host, units: list[Unit]) -> bool:
         return host.local and all(u.dest == str(u.root) for u in units)
 
-    async def _status(self, hosts: list[Host], units: list[Unit], heads: list[dict], *, scope: bool,
-                      dry_run: bool) -> dict[str, list[dict]]:
-        payload = [{"root": u.dest, "expected": h["entries"], "scope": list(u.scope) if scope else None}
-                   for u, h in zip(units, heads)]
+    async def _status(
+        self, hosts: list[Host], units: list[Unit], *, scope: bool, dry_run: bool
+    ) -> dict[str, list[dict]]:
+        payload = [
+            {"root": u.dest, "paths": list(u.paths), "scope": list(u.scope) if scope else None}
+            for u in units
+        ]
         values, problems = await gather_hosts(
-            hosts, lambda host: self.call(host, "status", {"units": payload, "dry_run": dry_run}))
+            hosts, lambda host: self.call(host, "status", {"units": payload, "dry_run": dry_run})
+        )
         if problems:
             raise PreflightError(problems, what="sync")
         return values
 
-    def _plan(self, host: Host, units: list[Unit], heads: list[dict], status: list[dict]) -> dict[str, Any]:
+    def _plan(
+        self, host: Host, units: list[Unit], heads: list[dict], status: list[dict]
+    ) -> dict[str, Any]:
         copy: list[tuple[int, str]] = []
         delete: list[tuple[int, str]] = []
         size = 0
         for i, (unit, head, st) in enumerate(zip(units, heads, status)):
-            for rel in sorted(st["differ"]):
+            for rel in sorted(nodetree.differ(head["entries"], st["entries"])):
                 copy.append((i, rel))
                 size += head["entries"][rel][2]
             if self.options.delete and st["extra"]:
                 keep = filelist.protected(unit, st["extra"])
                 delete += [(i, p) for p in st["extra"] if p not in keep]
-        return {"copy_pairs": copy, "delete_pairs": delete, "copy_n": len(copy), "delete_n": len(delete),
-                "copy": [f"{units[i].dest}/{p}" for i, p in copy],
-                "delete": [f"{units[i].dest}/{p}" for i, p in delete], "bytes": size}
+        return {
+            "copy_pairs": copy,
+            "delete_pairs": delete,
+            "copy_n": len(copy),
+            "delete_n": len(delete),
+            "copy": [f"{units[i].dest}/{p}" for i, p in copy],
+            "delete": [f"{units[i].dest}/{p}" for i, p in delete],
+            "bytes": size,
+        }
 
     def _readonly_result(self, name: str, plan: dict, status: list[dict]) -> NodeResult:
         mismatch = {p: "differs" for p in plan["copy"]}
         if self.options.check:
             mismatch.update({p: "extra" for p in plan["delete"]})
-        return NodeResult(name=name, copy=tuple(plan["copy"]), delete=tuple(plan["delete"]),
-                          bytes=plan["bytes"], hash=combined([s["hash"] for s in status]),
-                          mismatch=mismatch if self.options.check else {})
+        return NodeResult(
+            name=name,
+            copy=tuple(plan["copy"]),
+            delete=tuple(plan["delete"]),
+            bytes=plan["bytes"],
+            hash=combined([s["hash"] for s in status]),
+            mismatch=mismatch if self.options.check else {},
+        )
 
     async def _delete(self, hosts: list[Host], units: list[Unit], plans: dict) -> None:
         async def one(host: Host) -> None:
@@ -222,7 +326,9 @@ class Syncer:
 
     # -- transfer ----------------------------------------------------------------
 
-    async def _transfer(self, hosts: list[Host], units: list[Unit], heads: list[dict], plans: dict) -> str:
+    async def _transfer(
+        self, hosts: list[Host], units: list[Unit], heads: list[dict], plans: dict
+    ) -> str:
         total = sum(plans[h.name]["bytes"] for h in hosts)
         self.view.start(total)
         chained: dict[str, set[tuple[int, str]]] = {h.name: set() for h in hosts}
@@ -232,7 +338,9 @@ class Syncer:
             if large and await self._chain_ok(hosts, large):
                 mode = "chain+star"
                 for (i, rel), chain in large.items():
+                    log.debug("streaming %s along %s", rel, [h.name for h in chain])
                     ok = await self._chain_one(chain, units[i], heads[i], rel)
+                    log.debug("streamed %s: ok on %s", rel, ok)
                     for name in ok:
                         chained[name].add((i, rel))
 
@@ -242,8 +350,14 @@ class Syncer:
 
             async def star(host: Host) -> None:
                 for i, unit in enumerate(units):
-                    paths = [p for j, p in plans[host.name]["copy_pairs"] if j == i and (j, p) not in chained[host.name]]
-                    await rsync.send(self.cluster, host, str(unit.root), unit.dest, paths, on_bytes=progress)
+                    paths = [
+                        p
+                        for j, p in plans[host.name]["copy_pairs"]
+                        if j == i and (j, p) not in chained[host.name]
+                    ]
+                    await rsync.send(
+                        self.cluster, host, str(unit.root), unit.dest, paths, on_bytes=progress
+                    )
 
             _, problems = await gather_hosts(hosts, star)
         finally:
@@ -252,7 +366,9 @@ class Syncer:
             raise PreflightError(problems, what="sync")
         return mode
 
-    def _large_files(self, hosts: list[Host], heads: list[dict], plans: dict) -> dict[tuple[int, str], list[Host]]:
+    def _large_files(
+        self, hosts: list[Host], heads: list[dict], plans: dict
+    ) -> dict[tuple[int, str], list[Host]]:
         """Files worth streaming: large, regular, needed by two nodes or more."""
         if self.options.pipeline == "off":
             return {}
@@ -266,21 +382,34 @@ class Syncer:
 
     async def _chain_ok(self, hosts: list[Host], large: dict[tuple[int, str], list[Host]]) -> bool:
         """Can every node of every chain log in to the next one?  Says so either way."""
-        pairs = list(dict.fromkeys((a, b) for chain in large.values() for a, b in zip(chain, chain[1:])))
-        verdicts = await pipeline.reachable(self.cluster, pairs)
-        bad = {k: v for k, v in verdicts.items() if v != "ok"}
+        pairs = list(
+            dict.fromkeys((a, b) for chain in large.values() for a, b in itertools.pairwise(chain))
+        )
+        verdicts = await self._probe if self._probe is not None else {}
+        missing = [(a, b) for a, b in pairs if f"{a.name} -> {b.name}" not in verdicts]
+        if missing:
+            verdicts = {**verdicts, **await pipeline.reachable(self.cluster, missing)}
+        bad = [
+            (f"{a.name} -> {b.name}", verdicts[f"{a.name} -> {b.name}"])
+            for a, b in pairs
+            if verdicts[f"{a.name} -> {b.name}"] != "ok"
+        ]
         if bad:
-            hop, why = next(iter(bad.items()))
-            self._note(f"nodes cannot log in to each other ({hop}: {why}); large files go from this "
-                       "machine to each node (star). `corral ssh setup` enables node-to-node streaming")
+            hop, why = bad[0]
+            self._note(
+                f"nodes cannot log in to each other ({hop}: {why}); large files go from this "
+                "machine to each node (star). `corral ssh setup` enables node-to-node streaming"
+            )
             return False
         longest = max(large.values(), key=len)
-        self._note("large files stream node to node: " + " -> ".join(["here"] + [h.name for h in longest]))
+        self._note(
+            "large files stream node to node: " + " -> ".join(["here"] + [h.name for h in longest])
+        )
         return True
 
     async def _chain_one(self, chain: list[Host], unit: Unit, head: dict, rel: str) -> list[str]:
         """Stream one file along ``chain``; the nodes that got it (the rest fall back to rsync)."""
-        kind, mode, size, digest = head["entries"][rel]
+        _kind, mode, size, digest = head["entries"][rel]
         mtime_ns = (unit.root / rel).stat().st_mtime_ns
         got: dict[str, int] = {}
 
@@ -289,34 +418,52 @@ class Syncer:
             self.sent += n
             self.view.advance(n)
 
-        results = await pipeline.stream(self.cluster, chain, unit.root / rel, f"{unit.dest}/{rel}", size,
-                                        digest, mode, mtime_ns, on_bytes=progress)
+        results = await pipeline.stream(
+            self.cluster,
+            chain,
+            unit.root / rel,
+            unit.dest,
+            rel,
+            size,
+            digest,
+            mode,
+            mtime_ns,
+            on_bytes=progress,
+        )
         ok = [n for n, r in results.items() if r.ok]
         failed = {n: r for n, r in results.items() if not r.ok}
         for n, r in failed.items():
             self.sent -= got.get(n, 0)
             self.view.advance(-got.get(n, 0))
-            self._note(f"{n}: streaming {rel} failed ({r.error}); sending it from this machine instead")
+            self._note(
+                f"{n}: streaming {rel} failed ({r.error}); sending it from this machine instead"
+            )
         return ok
 
 
-async def sync(cluster: Cluster, options: SyncOptions, *, cwd: Path, view: SyncView | None = None) -> SyncReport:
+async def sync(
+    cluster: Cluster, options: SyncOptions, *, cwd: Path, view: SyncView | None = None
+) -> SyncReport:
     """Sync and verify; raises ``PreflightError`` naming every node that differs afterwards."""
     report = await Syncer(cluster, options, cwd=cwd, view=view).run()
     if not options.dry_run and not report.ok:
-        raise PreflightError([mismatch_error(r, report.head_hash) for r in report.nodes.values() if not r.ok],
-                             what="sync verification" if not options.check else "sync check")
+        raise PreflightError(
+            [mismatch_error(r, report.head_hash) for r in report.nodes.values() if not r.ok],
+            what="sync verification" if not options.check else "sync check",
+        )
     return report
 
 
 def mismatch_error(result: NodeResult, head_hash: str) -> HostError:
     items = sorted(result.mismatch.items())
-    shown = ", ".join(f"{p} ({why})" for p, why in items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+    shown = ", ".join(f"{p} ({why})" for p, why in items[:3]) + (
+        f" and {len(items) - 3} more" if len(items) > 3 else ""
+    )
     return HostError(
         result.name,
         f"tree hash {result.hash[:12]} differs from this machine's {head_hash[:12]}: "
         f"{len(items)} file(s) differ: {shown}",
         hint="run `corral sync` again; if it persists, something on that node changes the files "
-             "(a job writing into the synced tree?) or the disk is full",
+        "(a job writing into the synced tree?) or the disk is full",
         kind="sync-mismatch",
     )

@@ -30,11 +30,21 @@ log = logging.getLogger(__name__)
 IGNORE_FILE = ".corralignore"
 #: Never synced unless re-included with !pattern in .corralignore.
 DEFAULT_EXCLUDES = (
-    ".git/", ".hg/", ".svn/",
+    ".git/",
+    ".hg/",
+    ".svn/",
     "/runs/",  # corral run's logs (per-run, per-machine)
-    ".venv/", "venv/", ".tox/", ".nox/", "node_modules/",
-    "__pycache__/", "*.py[cod]",
-    ".pytest_cache/", ".mypy_cache/", ".ruff_cache/", ".ipynb_checkpoints/",
+    ".venv/",
+    "venv/",
+    ".tox/",
+    ".nox/",
+    "node_modules/",
+    "__pycache__/",
+    "*.py[cod]",
+    ".pytest_cache/",
+    ".mypy_cache/",
+    ".ruff_cache/",
+    ".ipynb_checkpoints/",
     ".DS_Store",
 )
 
@@ -56,8 +66,14 @@ class Unit:
 def project_root(cwd: Path) -> tuple[Path, bool]:
     """The git top level containing ``cwd`` (and True), else ``cwd`` itself."""
     try:
-        proc = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True,
-                              text=True, check=False, timeout=30)
+        proc = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
     except (FileNotFoundError, subprocess.TimeoutExpired):
         return cwd, False
     if proc.returncode == 0 and proc.stdout.strip():
@@ -70,19 +86,35 @@ def base_rules(root: Path, base: str = "") -> IgnoreRules:
     rules = IgnoreRules(parse(DEFAULT_EXCLUDES, origin="corral default"))
     ignore_file = root / base / IGNORE_FILE
     if ignore_file.is_file():
-        rules.extend(parse(ignore_file.read_text(errors="replace").splitlines(), base=base,
-                           origin=str(ignore_file)))
+        rules.extend(
+            parse(
+                ignore_file.read_text(errors="replace").splitlines(),
+                base=base,
+                origin=str(ignore_file),
+            )
+        )
     return rules
 
 
 def git_files(root: Path, under: str = "") -> list[str]:
-    argv = ["git", "-c", "core.quotepath=off", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    argv = [
+        "git",
+        "-c",
+        "core.quotepath=off",
+        "ls-files",
+        "-z",
+        "--cached",
+        "--others",
+        "--exclude-standard",
+    ]
     if under:
         argv += ["--", under]
     proc = subprocess.run(argv, cwd=root, capture_output=True, check=False, timeout=120)
     if proc.returncode != 0:
-        raise UsageError(f"git ls-files failed in {root}: {proc.stderr.decode(errors='replace').strip()}",
-                         hint="run `git status` there to see what is wrong")
+        raise UsageError(
+            f"git ls-files failed in {root}: {proc.stderr.decode(errors='replace').strip()}",
+            hint="run `git status` there to see what is wrong",
+        )
     return sorted({p for p in proc.stdout.decode(errors="surrogateescape").split("\0") if p})
 
 
@@ -90,8 +122,14 @@ def git_ignored(root: Path, paths: list[str]) -> set[str]:
     """The subset of ``paths`` git ignores (``git check-ignore``), e.g. extra files on a node."""
     if not paths:
         return set()
-    proc = subprocess.run(["git", "check-ignore", "-z", "--no-index", "--stdin"], cwd=root,
-                          input="\0".join(paths).encode(), capture_output=True, check=False, timeout=120)
+    proc = subprocess.run(
+        ["git", "check-ignore", "-z", "--no-index", "--stdin"],
+        cwd=root,
+        input="\0".join(paths).encode(),
+        capture_output=True,
+        check=False,
+        timeout=120,
+    )
     return {p for p in proc.stdout.decode(errors="surrogateescape").split("\0") if p}
 
 
@@ -141,8 +179,15 @@ def project_unit(cwd: Path, to: str | None) -> Unit:
     else:
         paths = walk(root, "", rules, gitignore=True)
         source = f"files under {root}"
-    return Unit(root=root, dest=to or str(root), paths=tuple(paths), scope=("",), rules=rules,
-                git=in_git, source=source)
+    return Unit(
+        root=root,
+        dest=to or str(root),
+        paths=tuple(paths),
+        scope=("",),
+        rules=rules,
+        git=in_git,
+        source=source,
+    )
 
 
 def path_units(cwd: Path, names: tuple[str, ...], to: str | None) -> list[Unit]:
@@ -153,7 +198,9 @@ def path_units(cwd: Path, names: tuple[str, ...], to: str | None) -> list[Unit]:
     for name in names:
         path = Path(os.path.abspath(cwd / name))
         if not os.path.lexists(path):
-            raise UsageError(f"{name}: no such file or directory", hint="sync paths that exist on this machine")
+            raise UsageError(
+                f"{name}: no such file or directory", hint="sync paths that exist on this machine"
+            )
         (inside if path == root or root in path.parents else outside).append(path)
     units = []
     if inside:
@@ -171,8 +218,17 @@ def path_units(cwd: Path, names: tuple[str, ...], to: str | None) -> list[Unit]:
                     paths.update(walk(root, rel, rules, gitignore=not in_git))
             else:
                 paths.add(rel)  # a named file is sent even if ignored
-        units.append(Unit(root=root, dest=to or str(root), paths=tuple(sorted(paths)), scope=tuple(scope),
-                          rules=rules, git=in_git, source=f"{len(inside)} path(s) of {root}"))
+        units.append(
+            Unit(
+                root=root,
+                dest=to or str(root),
+                paths=tuple(sorted(paths)),
+                scope=tuple(scope),
+                rules=rules,
+                git=in_git,
+                source=f"{len(inside)} path(s) of {root}",
+            )
+        )
     for path in outside:
         parent = path.parent
         name = path.name
@@ -182,15 +238,26 @@ def path_units(cwd: Path, names: tuple[str, ...], to: str | None) -> list[Unit]:
             scope_t: tuple[str, ...] = (name,)
         else:
             paths_list, scope_t = [name], ()
-        units.append(Unit(root=parent, dest=to or str(parent), paths=tuple(paths_list), scope=scope_t,
-                          rules=rules, git=False, source=str(path)))
+        units.append(
+            Unit(
+                root=parent,
+                dest=to or str(parent),
+                paths=tuple(paths_list),
+                scope=scope_t,
+                rules=rules,
+                git=False,
+                source=str(path),
+            )
+        )
     return units
 
 
 def build_units(cwd: Path, names: tuple[str, ...] = (), to: str | None = None) -> list[Unit]:
     """What to send, as units (one per root); ``to`` replaces each root's destination."""
     if to is not None and not to.startswith("/"):
-        raise UsageError(f"--to {to!r}: give an absolute path on the nodes", hint="e.g. --to /srv/project")
+        raise UsageError(
+            f"--to {to!r}: give an absolute path on the nodes", hint="e.g. --to /srv/project"
+        )
     return path_units(cwd, names, to) if names else [project_unit(cwd, to)]
 
 

@@ -38,7 +38,7 @@ class Rule:
         if self.base:
             if not path.startswith(self.base + "/"):
                 return False
-            path = path[len(self.base) + 1:]
+            path = path[len(self.base) + 1 :]
         return self.regex.match(path) is not None
 
 
@@ -64,11 +64,11 @@ def _translate(glob: str) -> str:
         if c == "?":
             out.append("[^/]")
         elif c == "[":
-            j = glob.find("]", i + 2 if glob[i + 1:i + 2] in ("!", "^", "]") else i + 1)
+            j = glob.find("]", i + 2 if glob[i + 1 : i + 2] in ("!", "^", "]") else i + 1)
             if j < 0:
                 out.append(re.escape(c))
             else:
-                body = glob[i + 1:j]
+                body = glob[i + 1 : j]
                 if body[:1] in ("!", "^"):
                     body = "^" + body[1:]
                 out.append("[" + body.replace("\\", "\\\\") + "]")
@@ -93,9 +93,7 @@ def parse_line(line: str, *, base: str = "", origin: str = "") -> Rule | None:
     if not text or text.startswith("#"):
         return None
     negate = text.startswith("!")
-    if negate:
-        text = text[1:]
-    elif text.startswith("\\!") or text.startswith("\\#"):
+    if negate or text.startswith(("\\!", "\\#")):
         text = text[1:]
     dir_only = text.endswith("/")
     text = text.rstrip("/")
@@ -105,8 +103,14 @@ def parse_line(line: str, *, base: str = "", origin: str = "") -> Rule | None:
     text = text.lstrip("/")
     body = _translate(text)
     regex = re.compile(("^" if anchored else "^(?:.*/)?") + body + "(?:$)")
-    return Rule(pattern=line.strip(), regex=regex, negate=negate, dir_only=dir_only, base=base,
-                origin=origin)
+    return Rule(
+        pattern=line.strip(),
+        regex=regex,
+        negate=negate,
+        dir_only=dir_only,
+        base=base,
+        origin=origin,
+    )
 
 
 def parse(lines: Iterable[str], *, base: str = "", origin: str = "") -> list[Rule]:

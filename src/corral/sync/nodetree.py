@@ -32,8 +32,21 @@ import time
 
 CHUNK = 1 << 20
 #: Directory names never walked when looking for extra files (sync never deletes in them).
-PRUNE = (".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "node_modules", ".tox", ".nox",
-         ".mypy_cache", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints")
+PRUNE = (
+    ".git",
+    ".hg",
+    ".svn",
+    "__pycache__",
+    ".venv",
+    "venv",
+    "node_modules",
+    ".tox",
+    ".nox",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".ipynb_checkpoints",
+)
 MARK = "@@corral-result@@"
 PROGRESS = "@@prog "
 HOP = "@@hop "
@@ -61,7 +74,7 @@ def save_cache(root: str, cache: dict) -> None:
     path = cache_file(root)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = "%s.%d.tmp" % (path, os.getpid())
+        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
             json.dump(cache, fh, separators=(",", ":"))
         os.replace(tmp, path)
@@ -107,14 +120,14 @@ def tree_hash(entries: dict) -> str:
     h = hashlib.sha256()
     for rel in sorted(entries):
         kind, mode, size, digest = entries[rel]
-        h.update(("%s\0%s\0%o\0%d\0%s\n" % (rel, kind, mode, size, digest)).encode())
+        h.update(f"{rel}\0{kind}\0{mode:o}\0{size}\0{digest}\n".encode())
     return h.hexdigest()
 
 
 def manifest(root: str, paths: list, use_cache: bool = True, save: bool = True) -> dict:
     """Entries and tree hash of ``paths`` under ``root`` (missing ones listed apart)."""
     cache = load_cache(root) if use_cache else {}
-    before = len(cache)
+    before = dict(cache)
     entries, missing = {}, []
     for rel in paths:
         e = entry(root, rel, cache)
@@ -122,8 +135,8 @@ def manifest(root: str, paths: list, use_cache: bool = True, save: bool = True) 
             missing.append(rel)
         else:
             entries[rel] = e
-    if use_cache and save and (len(cache) != before or cache):
-        save_cache(root, {k: v for k, v in cache.items() if k in entries})
+    if use_cache and save and (cache != before or any(m in cache for m in missing)):
+        save_cache(root, {k: v for k, v in cache.items() if k not in missing})
     return {"entries": entries, "missing": missing, "hash": tree_hash(entries)}
 
 
@@ -138,10 +151,18 @@ def _walk_extra(root: str, scope: list, expected: dict) -> list:
         if not os.path.isdir(start) or os.path.islink(start):
             continue
         for dirpath, dirnames, filenames in os.walk(start):
-            dirnames[:] = [d for d in dirnames if d not in PRUNE and not os.path.islink(os.path.join(dirpath, d))]
+            dirnames[:] = [
+                d
+                for d in dirnames
+                if d not in PRUNE and not os.path.islink(os.path.join(dirpath, d))
+            ]
             rel_dir = os.path.relpath(dirpath, root)
-            links = [d for d in os.listdir(dirpath) if os.path.islink(os.path.join(dirpath, d))
-                     and os.path.isdir(os.path.join(dirpath, d))]
+            links = [
+                d
+                for d in os.listdir(dirpath)
+                if os.path.islink(os.path.join(dirpath, d))
+                and os.path.isdir(os.path.join(dirpath, d))
+            ]
             for name in list(filenames) + links:
                 rel = name if rel_dir == "." else rel_dir + "/" + name
                 if rel not in expected:
@@ -150,33 +171,53 @@ def _walk_extra(root: str, scope: list, expected: dict) -> list:
 
 
 def status(units: list, dry_run: bool = False) -> list:
-    """For each unit ``{"root", "expected": {path: entry}, "scope": [dirs] | None}``:
-    what differs from the head and the node's tree hash.  Creates the root
-    (outside dry runs) so rsync has somewhere to write."""
+    """For each unit ``{"root", "paths": [...], "scope": [dirs] | None}``: the
+    node's entries for those paths (the head compares them with its own),
+    its tree hash and, with a scope, the files it has that are not listed.
+    Creates the root (outside dry runs) so rsync has somewhere to write."""
     out = []
     for unit in units:
-        root, expected = unit["root"], unit["expected"]
+        root, paths = unit["root"], unit["paths"]
         exists = os.path.isdir(root)
         if not exists and not dry_run:
             os.makedirs(root, exist_ok=True)
         if exists:
-            got = manifest(root, list(expected), save=not dry_run)
+            got = manifest(root, paths, save=not dry_run)
         else:
-            got = {"entries": {}, "missing": list(expected), "hash": tree_hash({})}
-        differ = {}
-        for rel, want in expected.items():
-            have = got["entries"].get(rel)
-            if have is None:
-                differ[rel] = "missing"
-            elif have[0] != want[0]:
-                differ[rel] = "kind"
-            elif have[3] != want[3] or have[2] != want[2]:
-                differ[rel] = "content"
-            elif have[1] != want[1]:
-                differ[rel] = "mode"
-        extra = _walk_extra(root, unit["scope"], expected) if unit.get("scope") is not None and exists else []
-        out.append({"root": root, "hash": got["hash"], "differ": differ, "extra": extra})
+            got = {"entries": {}, "missing": list(paths), "hash": tree_hash({})}
+        extra = (
+            _walk_extra(root, unit["scope"], set(paths))
+            if unit.get("scope") is not None and exists
+            else []
+        )
+        out.append({"root": root, "hash": got["hash"], "entries": got["entries"], "extra": extra})
     return out
+
+
+def differ(want: dict, have: dict) -> dict:
+    """path -> why, for every path of ``want`` whose entry in ``have`` is not the same."""
+    out = {}
+    for rel, w in want.items():
+        h = have.get(rel)
+        if h is None:
+            out[rel] = "missing"
+        elif h[0] != w[0]:
+            out[rel] = "kind"
+        elif h[2] != w[2] or h[3] != w[3]:
+            out[rel] = "content"
+        elif h[1] != w[1]:
+            out[rel] = "mode"
+    return out
+
+
+def remember(root: str, rel: str, digest: str) -> None:
+    """Record the digest of a file this process just wrote and checked, so the
+    verification that follows needs a stat, not another read of the file."""
+    full = os.path.join(root, rel)
+    st = os.lstat(full)
+    cache = load_cache(root)
+    cache[rel] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, digest]
+    save_cache(root, cache)
 
 
 def delete(root: str, paths: list) -> int:
@@ -208,8 +249,14 @@ def delete(root: str, paths: list) -> int:
 def probe(argv: list, timeout: float = 15.0) -> str:
     """Can this node run ``argv`` (an ssh to the next node)?  "ok" or why not."""
     try:
-        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              universal_newlines=True, timeout=timeout)
+        proc = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return "timed out"
     except OSError as e:
@@ -217,7 +264,7 @@ def probe(argv: list, timeout: float = 15.0) -> str:
     if proc.returncode == 0:
         return "ok"
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    return lines[-1] if lines else "exit code %d" % proc.returncode
+    return lines[-1] if lines else f"exit code {proc.returncode}"
 
 
 # ---------------------------------------------------------------------------
@@ -233,9 +280,11 @@ def _emit(lock: threading.Lock, line: str) -> None:
 def _start_next(hop: dict, chain: list):
     """Start the ssh to the next hop and send it this module with the rest of the chain."""
     header = dict(globals()["_CORRAL_HEADER"])
-    header["args"] = dict(header["args"], name=hop["name"], path=hop["path"], chain=chain)
+    header["args"] = dict(header["args"], name=hop["name"], chain=chain)
     body = json.dumps(header).encode()
-    child = subprocess.Popen(hop["argv"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = subprocess.Popen(
+        hop["argv"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     child.stdin.write(str(len(body)).encode() + b"\n" + body)
     return child
 
@@ -244,19 +293,29 @@ def _forward(child, lock: threading.Lock, results: list) -> None:
     for raw in child.stdout:
         line = raw.decode(errors="replace").rstrip("\n")
         if line.startswith(MARK):
-            results.append(line[len(MARK):])
-            _emit(lock, HOP + line[len(MARK):])
+            results.append(line[len(MARK) :])
+            _emit(lock, HOP + line[len(MARK) :])
         elif line.startswith((PROGRESS, HOP)):
             _emit(lock, line)
 
 
-def receive(stream, name: str, path: str, size: int, digest: str, mode: int, mtime_ns: int,
-            chain: list = ()) -> dict:
-    """Write ``size`` bytes from ``stream`` to ``path`` while forwarding them to
-    the next hop of ``chain``; verify the sha256; rename into place."""
+def receive(
+    stream,
+    name: str,
+    root: str,
+    rel: str,
+    size: int,
+    digest: str,
+    mode: int,
+    mtime_ns: int,
+    chain: list = (),
+) -> dict:
+    """Write ``size`` bytes from ``stream`` to ``root/rel`` while forwarding them
+    to the next hop of ``chain``; verify the sha256; rename into place."""
     lock = threading.Lock()
+    path = os.path.join(root, rel)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = os.path.join(os.path.dirname(path), ".%s.corral-%d" % (os.path.basename(path), os.getpid()))
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.corral-{os.getpid()}")
     child, fwd, downstream, child_err = None, None, [], None
     if chain:
         try:
@@ -264,7 +323,7 @@ def receive(stream, name: str, path: str, size: int, digest: str, mode: int, mti
             fwd = threading.Thread(target=_forward, args=(child, lock, downstream), daemon=True)
             fwd.start()
         except OSError as e:
-            child_err = "cannot start ssh to %s: %s" % (chain[0]["name"], e)
+            child_err = "cannot start ssh to {}: {}".format(chain[0]["name"], e)
     h = hashlib.sha256()
     done, last = 0, 0.0
     with open(tmp, "wb") as out:
@@ -279,12 +338,12 @@ def receive(stream, name: str, path: str, size: int, digest: str, mode: int, mti
                 try:
                     child.stdin.write(chunk)
                 except (BrokenPipeError, OSError) as e:
-                    child_err = "the next hop (%s) stopped reading: %s" % (chain[0]["name"], e)
+                    child_err = "the next hop ({}) stopped reading: {}".format(chain[0]["name"], e)
             now = time.monotonic()
             if now - last > 0.25:
                 last = now
-                _emit(lock, "%s%s %d" % (PROGRESS, name, done))
-    _emit(lock, "%s%s %d" % (PROGRESS, name, done))
+                _emit(lock, f"{PROGRESS}{name} {done}")
+    _emit(lock, f"{PROGRESS}{name} {done}")
     if child is not None:
         try:
             child.stdin.close()
@@ -293,18 +352,22 @@ def receive(stream, name: str, path: str, size: int, digest: str, mode: int, mti
         child.wait()
         if fwd is not None:
             fwd.join(10)
-        if not downstream and child_err is None:
+        if not downstream:
             err = child.stderr.read().decode(errors="replace").strip().splitlines()
-            child_err = "%s: %s" % (chain[0]["name"], err[-1] if err else "exit %d" % child.returncode)
+            if err or child_err is None:
+                child_err = "{}: {}".format(
+                    chain[0]["name"], err[-1] if err else f"exit {child.returncode}"
+                )
     result = {"node": name, "bytes": done, "ok": False, "next_error": child_err}
     if done != size:
-        result["error"] = "stream ended after %d of %d bytes" % (done, size)
+        result["error"] = f"stream ended after {done} of {size} bytes"
     elif h.hexdigest() != digest:
         result["error"] = "sha256 mismatch after transfer"
     else:
         os.chmod(tmp, mode)
         os.utime(tmp, ns=(mtime_ns, mtime_ns))
         os.replace(tmp, path)
+        remember(root, rel, digest)
         result["ok"] = True
     if not result["ok"] and os.path.exists(tmp):
         os.unlink(tmp)

@@ -44,8 +44,20 @@ _SOURCE = Path(nodetree.__file__).read_text()
 def hop_argv(host: Host, *, connect_timeout: int = 10) -> list[str]:
     """What a node runs to reach ``host``: plain ssh by address (its known_hosts
     has every peer under its address after ``corral ssh setup``), no compression."""
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={connect_timeout}",
-            "-o", "Compression=no", "-o", "LogLevel=ERROR", "-T", "-x", "-a"]
+    argv = [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={connect_timeout}",
+        "-o",
+        "Compression=no",
+        "-o",
+        "LogLevel=ERROR",
+        "-T",
+        "-x",
+        "-a",
+    ]
     if host.port is not None:
         argv += ["-p", str(host.port)]
     if host.user is not None:
@@ -63,8 +75,15 @@ async def reachable(cluster: Cluster, pairs: Sequence[tuple[Host, Host]]) -> dic
     async def one(a: Host, b: Host) -> tuple[str, str]:
         argv = hop_argv(b) + ["true"]
         try:
-            why = await call_node(a, ssh_argv(cluster, a, remote_command(a.python)), "nodetree", _SOURCE,
-                                  "probe", {"argv": argv}, timeout=30)
+            why = await call_node(
+                a,
+                ssh_argv(cluster, a, remote_command(a.python)),
+                "nodetree",
+                _SOURCE,
+                "probe",
+                {"argv": argv},
+                timeout=30,
+            )
         except HostError as e:
             why = e.message
         return f"{a.name} -> {b.name}", why
@@ -86,7 +105,8 @@ async def stream(
     cluster: Cluster,
     chain: Sequence[Host],
     source: Path,
-    dest: str,
+    dest_root: str,
+    rel: str,
     size: int,
     digest: str,
     mode: int,
@@ -94,16 +114,28 @@ async def stream(
     *,
     on_bytes: Callable[[str, int], None] | None = None,
 ) -> dict[str, HopResult]:
-    """Send ``source`` to ``dest`` on every host of ``chain``, streaming hop to hop."""
+    """Send ``source`` to ``dest_root/rel`` on every host of ``chain``, streaming hop to hop."""
     first, rest = chain[0], chain[1:]
-    hops = [{"name": h.name, "path": dest, "argv": hop_argv(h) + ["--", _remote(h)]} for h in rest]
-    args = {"name": first.name, "path": dest, "size": size, "digest": digest, "mode": mode,
-            "mtime_ns": mtime_ns, "chain": hops}
+    hops = [{"name": h.name, "argv": hop_argv(h) + ["--", _remote(h)]} for h in rest]
+    args = {
+        "name": first.name,
+        "root": dest_root,
+        "rel": rel,
+        "size": size,
+        "digest": digest,
+        "mode": mode,
+        "mtime_ns": mtime_ns,
+        "chain": hops,
+    }
     argv = ssh_argv(cluster, first, remote_command(first.python))
     log.debug("chain %s: %s", " -> ".join(h.name for h in chain), argv)
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        *argv,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     results: dict[str, HopResult] = {}
     seen: dict[str, int] = {}
@@ -112,13 +144,16 @@ async def stream(
         assert proc.stdin is not None
         try:
             proc.stdin.write(payload("nodetree", _SOURCE, "receive", args, stream=True))
-            with open(source, "rb") as fh:
+            fh = await asyncio.to_thread(open, source, "rb")
+            try:
                 while True:
-                    chunk = fh.read(nodetree.CHUNK)
+                    chunk = await asyncio.to_thread(fh.read, nodetree.CHUNK)
                     if not chunk:
                         break
                     proc.stdin.write(chunk)
                     await proc.stdin.drain()
+            finally:
+                fh.close()
         except (BrokenPipeError, ConnectionResetError):
             pass
         finally:
@@ -129,13 +164,17 @@ async def stream(
         async for raw in proc.stdout:
             line = raw.decode(errors="replace").rstrip("\n")
             if line.startswith(nodetree.PROGRESS):
-                name, _, n = line[len(nodetree.PROGRESS):].partition(" ")
+                name, _, n = line[len(nodetree.PROGRESS) :].partition(" ")
                 done = int(n)
                 if on_bytes is not None and done > seen.get(name, 0):
                     on_bytes(name, done - seen.get(name, 0))
                 seen[name] = max(done, seen.get(name, 0))
-            elif line.startswith(nodetree.HOP) or line.startswith(MARK):
-                body = line[len(nodetree.HOP):] if line.startswith(nodetree.HOP) else line[len(MARK):]
+            elif line.startswith((nodetree.HOP, MARK)):
+                body = (
+                    line[len(nodetree.HOP) :]
+                    if line.startswith(nodetree.HOP)
+                    else line[len(MARK) :]
+                )
                 _record(results, json.loads(body))
 
     _, _, err = await asyncio.gather(feed(), read(), proc.stderr.read())
@@ -143,8 +182,11 @@ async def stream(
     for h in chain:
         if h.name not in results:
             why = err.decode(errors="replace").strip().splitlines()
-            results[h.name] = HopResult(node=h.name, ok=False,
-                                        error=_upstream_error(results, chain, h) or (why[-1] if why else "no result"))
+            results[h.name] = HopResult(
+                node=h.name,
+                ok=False,
+                error=_upstream_error(results, chain, h) or (why[-1] if why else "no result"),
+            )
     return results
 
 
@@ -152,8 +194,12 @@ def _record(results: dict[str, HopResult], raw: dict[str, Any]) -> None:
     value = raw.get("value")
     if not isinstance(value, dict) or not value.get("node"):
         return
-    results[value["node"]] = HopResult(node=value["node"], ok=bool(value.get("ok")),
-                                       error=value.get("error"), next_error=value.get("next_error"))
+    results[value["node"]] = HopResult(
+        node=value["node"],
+        ok=bool(value.get("ok")),
+        error=value.get("error"),
+        next_error=value.get("next_error"),
+    )
 
 
 def _upstream_error(results: dict[str, HopResult], chain: Sequence[Host], host: Host) -> str | None:

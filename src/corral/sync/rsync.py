@@ -23,7 +23,14 @@ from corral.transport.ssh import SSHTransport, classify_ssh_failure
 log = logging.getLogger(__name__)
 
 #: -l symlinks as symlinks, -p permissions, -t mtimes, -s arguments through the protocol.
-BASE_FLAGS = ("-lpts", "--ignore-times", "--from0", "--files-from=-", "--info=progress2", "--no-human-readable")
+BASE_FLAGS = (
+    "-lpts",
+    "--ignore-times",
+    "--from0",
+    "--files-from=-",
+    "--info=progress2",
+    "--no-human-readable",
+)
 _PROGRESS = re.compile(rb"^\s*([\d,]+)\s+\d+%")
 
 
@@ -74,11 +81,18 @@ async def send(
     log.debug("%s: %s", host.name, cmd)
     try:
         proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+            *cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
     except FileNotFoundError:
-        raise HostError(host.name, "rsync is not installed on this machine",
-                        hint="apt-get install rsync (or your distribution's package)") from None
+        raise HostError(
+            host.name,
+            "rsync is not installed on this machine",
+            hint="apt-get install rsync (or your distribution's package)",
+        ) from None
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
 
     async def feed() -> None:
@@ -115,11 +129,17 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
     """Name an rsync failure: ssh's errors first, then rsync's own."""
     text = stderr.strip()
     if re.search(r"rsync: (command )?not found|rsync: No such file", text) or rc == 127:
-        return HostError(host.name, "rsync is not installed there",
-                         hint=f"install rsync on {host.name} (apt-get install rsync)", kind="no-rsync")
+        return HostError(
+            host.name,
+            "rsync is not installed there",
+            hint=f"install rsync on {host.name} (apt-get install rsync)",
+            kind="no-rsync",
+        )
     if rc == 255 or "connection unexpectedly closed" in text and "ssh:" in text:
         return classify_ssh_failure(host, 255, text)
-    lines = [l for l in text.splitlines() if l.strip() and not l.startswith("rsync error: some files")]
+    lines = [
+        l for l in text.splitlines() if l.strip() and not l.startswith("rsync error: some files")
+    ]
     last = lines[-1] if lines else f"exit code {rc}"
     hint = "check free space and permissions of the destination there"
     if "Permission denied" in text:
