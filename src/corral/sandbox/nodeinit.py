@@ -111,6 +111,20 @@ def setup_mounts(args: argparse.Namespace) -> None:
         private.append(("home", "/home"))
     for name, target in private:
         bind(os.path.join(NODE_RUN, name), target)
+    # The user's shell start-up files are the node's own, fresh from /etc/skel
+    # like a newly installed machine: the head's (a pyenv or conda init, say)
+    # would otherwise run in every node's login shell.
+    for rc in (".bashrc", ".profile"):
+        target = os.path.join(args.home, rc)
+        if os.path.isfile(target):
+            own = os.path.join(NODE_RUN, "rc" + rc)
+            if not os.path.exists(own):
+                skel = os.path.join("/etc/skel", rc)
+                with open(own, "w") as out:
+                    if os.path.isfile(skel):
+                        with open(skel) as src:
+                            out.write(src.read())
+            bind(own, target)
     mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
     for path in args.hide:
         if os.path.isdir(path):
