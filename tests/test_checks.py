@@ -480,7 +480,7 @@ def test_smoke_failure_names_node_and_peer() -> None:
     smoke = SmokeOutcome(status="failed", backend="gloo", host="node2", rank=1,
                          message="rank 1 on node2 exited with code 1", peers=("node3",), log="/tmp/x")
     found = one(dataclasses.replace(evidence(), smoke=smoke), "smoke.allreduce", ERROR)
-    assert found.hosts == HostSet.of(["node2", "node3"]) and "failed on node2 rank 1" in found.message
+    assert found.hosts == HostSet.of(["node2", "node3"]) and "failed on node2 rank 1 (the other end: node3)" in found.message
 
 
 def test_a_crashing_check_becomes_a_finding() -> None:

@@ -194,3 +194,35 @@ def _with_python(source: Path, tmp_path: Path, pythons: dict[str, str]) -> Path:
     out = tmp_path / "corral.toml"
     out.write_text(tomlkit.dumps(doc))
     return out
+
+
+def test_smoke_test_names_the_link_that_fails(lab: Sandbox) -> None:
+    """A firewall between two nodes that are not the rendezvous: the smoke test says which link.
+
+    (`corral doctor` itself skips the smoke test once the port matrix has found
+    the firewall; the library is called directly to see what the smoke test
+    alone would report.)
+    """
+    import asyncio
+
+    from corral.doctor import DoctorOptions, examine
+    from corral.inventory import read_cluster_file
+    from corral.smoke import smoke_test
+
+    _, n2, n3, _ = lab.nodes
+    rules = {n2: ["INPUT", "-p", "tcp", "--syn", "-s", lab.addresses[n3], "!", "--dport", "22", "-j", "DROP"],
+             n3: ["INPUT", "-p", "tcp", "--syn", "-s", lab.addresses[n2], "!", "--dport", "22", "-j", "DROP"]}
+    cluster = read_cluster_file(lab.cluster_file)
+    options = DoctorOptions(torch=False, links=False, ssh=False)
+    report = asyncio.run(examine(cluster, options, head_env={}, head_cwd=os.getcwd()))
+    try:
+        for node, rule in rules.items():
+            lab.exec(node, ["iptables", "-I", *rule], check=True)
+        outcome = asyncio.run(smoke_test(cluster, report.evidence, head_env={}, head_cwd=os.getcwd(),
+                                         timeout=90))
+    finally:
+        for node, rule in rules.items():
+            lab.exec(node, ["iptables", "-D", *rule])
+    assert outcome.status == "failed"
+    assert {outcome.host, *outcome.peers} == {n2, n3}
+    assert f"cannot open a TCP connection to {n3 if outcome.host == n2 else n2}" in outcome.message

@@ -60,10 +60,12 @@ async def measure_links(
     tool: str = "auto",
     sequential: bool = False,
     skip: frozenset[tuple[str, str]] = frozenset(),
+    only: frozenset[tuple[str, str]] | None = None,
 ) -> tuple[list[LinkProbe], str]:
     """Throughput of every ordered pair of ``addresses``' hosts; returns (probes, tool used).
 
-    Pairs in ``skip`` (known not to connect) are left out rather than timed out.
+    Pairs in ``skip`` (known not to connect) are left out rather than timed out;
+    with ``only``, just those pairs are measured.
     """
     hosts = [h for h in addresses if addresses[h]]
     if len(hosts) < 2:
@@ -72,9 +74,10 @@ async def measure_links(
     probes: list[LinkProbe] = []
     try:
         for pairs in schedule(hosts, sequential=sequential):
+            wanted = [(s, d) for s, d in pairs if (s, d) not in skip and (only is None or (s, d) in only)]
             probes += await asyncio.gather(*(
                 _send(pool, src, dst, addresses[dst], ports[dst], used, seconds, omit)
-                for src, dst in pairs if (src, dst) not in skip
+                for src, dst in wanted
             ))
     finally:
         stop = "links.iperf3_stop" if used == "iperf3" else "links.sink_stop"

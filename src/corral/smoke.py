@@ -54,11 +54,20 @@ async def smoke_test(cluster: Cluster, ev: Evidence, *, head_env: Mapping[str, s
 def outcome(run: ScriptRun, ev: Evidence, *, backend: str, timeout: float) -> SmokeOutcome:
     """Name the node and the link from what the run reported."""
     net = nccl_network(t for _, _, t in run.lines)
-    if run.succeeded and run.marks:
-        mark = run.marks[0]
-        return SmokeOutcome(status="ok", backend=mark.get("backend", backend),
-                            world_size=mark.get("world_size"), seconds=run.seconds, nccl_net=net)
+    done = next((m for m in run.marks if "world_size" in m), None)
+    if run.succeeded and done is not None:
+        return SmokeOutcome(status="ok", backend=done.get("backend", backend),
+                            world_size=done.get("world_size"), seconds=run.seconds, nccl_net=net)
     log = str(run.run_dir) if run.run_dir else None
+    broken = next((m["links"] for m in run.marks if m.get("links")), None)
+    if broken:
+        first = broken[0]
+        return SmokeOutcome(
+            status="failed", backend=backend, seconds=run.seconds, host=first["src"],
+            peers=tuple(dict.fromkeys(f["dst"] for f in broken if f["src"] == first["src"])),
+            message="; ".join(f"{f['src']} cannot open a TCP connection to {f['dst']} at "
+                              f"{f['address']} ({f['error']})" for f in broken),
+            log=str(run.result.failure_log) if run.result and run.result.failure_log else log)
     if run.preflight is not None:
         first = run.preflight.problems[0] if run.preflight.problems else None
         return SmokeOutcome(status="failed", backend=backend, seconds=run.seconds,

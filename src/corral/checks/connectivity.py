@@ -209,10 +209,10 @@ def smoke(ev: Evidence) -> list[Finding]:
                         message=f"smoke test skipped: {s.message}",
                         hint="fix the errors above, then run `corral doctor` again")]
     where = HostSet.of(([s.host] if s.host else []) + list(s.peers)) or everyone
-    link = f" (its output names {HostSet.of(s.peers)})" if s.peers else ""
+    link = f" (the other end: {HostSet.of(s.peers)})" if s.peers else ""
     return [Finding(
         check="smoke.allreduce", severity=ERROR, hosts=where,
-        message=f"all-reduce with {s.backend or 'torch.distributed'} failed"
+        message=f"smoke test ({s.backend or 'torch.distributed'}) failed"
                 + (f" on {s.host}" + (f" rank {s.rank}" if s.rank is not None else "") if s.host else "")
                 + f"{link}: {s.message}",
         hint=(f"full log: {s.log}; " if s.log else "") + "the network and port checks above usually "

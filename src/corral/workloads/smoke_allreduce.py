@@ -1,9 +1,15 @@
-"""corral doctor's smoke test: one checked all-reduce across every rank.
+"""corral doctor's smoke test: node-to-node TCP, then one checked all-reduce.
 
-Run by torchrun (through `corral doctor`), never imported by corral.  Each
-rank contributes rank+1; every rank must then hold world*(world+1)/2.  Rank 0
-prints one line that the head reads:
+Run by torchrun (through `corral doctor`), never imported by corral.
 
+First, one process per node opens a TCP listener on the address corral
+verified for it (CORRAL_NODE_IPS) and connects to every other node's, meeting
+through the rendezvous store; a failed connection is reported as the link
+it is (``node2 cannot reach node3``) instead of an all-reduce that hangs until
+its timeout.  Then each rank contributes rank+1 to an all-reduce; every rank
+must hold world*(world+1)/2.  Rank 0 prints lines the head reads:
+
+    CORRAL_SMOKE {"links": []}
     CORRAL_SMOKE {"backend": "gloo", "world_size": 8, "seconds": 0.4, "hosts": [...]}
 
 Environment: CORRAL_SMOKE_BACKEND (gloo|nccl, default: nccl when CUDA is
@@ -15,16 +21,75 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 
+def link_check(wait: float = 5.0) -> list:
+    """Every node connects to every other node's listener; all nodes' failures, for every rank."""
+    hosts = os.environ["CORRAL_HOSTS"].split(",")
+    ips = os.environ["CORRAL_NODE_IPS"].split(",")
+    node = int(os.environ["CORRAL_NODE_RANK"])
+    prefix = "corral-smoke/%s/" % os.environ.get("CORRAL_RUN_ID", "run")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=120))
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((ips[node], 0))
+        except OSError:
+            listener.bind(("0.0.0.0", 0))
+        listener.listen(64)
+        threading.Thread(target=_accept, args=(listener,), daemon=True).start()
+        store.set(prefix + "addr/%d" % node, "%s:%d" % (ips[node], listener.getsockname()[1]))
+        failures = []
+
+        def connect(peer: int) -> None:
+            addr, port = store.get(prefix + "addr/%d" % peer).decode().rsplit(":", 1)
+            try:
+                socket.create_connection((addr, int(port)), timeout=wait).close()
+            except OSError as e:
+                why = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e))
+                failures.append({"src": hosts[node], "dst": hosts[peer], "address": "%s:%s" % (addr, port),
+                                 "error": why})
+
+        threads = [threading.Thread(target=connect, args=(p,)) for p in range(len(hosts)) if p != node]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        store.set(prefix + "links/%d" % node, json.dumps(failures))
+    results = [json.loads(store.get(prefix + "links/%d" % n)) for n in range(len(hosts))]
+    return [f for r in results for f in r]
+
+
+def _accept(listener: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        conn.close()
+
+
 def main() -> int:
     backend = os.environ.get("CORRAL_SMOKE_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = datetime.timedelta(seconds=float(os.environ.get("CORRAL_SMOKE_TIMEOUT", "60")))
     started = time.time()
+    failures = link_check()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("CORRAL_SMOKE " + json.dumps({"links": failures}), flush=True)
+    me = os.environ["CORRAL_HOSTS"].split(",")[int(os.environ["CORRAL_NODE_RANK"])]
+    mine = [f for f in failures if f["src"] == me]
+    if mine and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        f = mine[0]
+        raise RuntimeError("%s cannot open a TCP connection to %s at %s: %s" % (
+            f["src"], f["dst"], f["address"], f["error"]))
+    if failures:
+        return 0  # another node's link is broken; that node reports it
     dist.init_process_group(backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
