@@ -201,7 +201,8 @@ def smoke(ev: Evidence) -> list[Finding]:
     everyone = HostSet.of(ev.hosts)
     if s.status == "ok":
         return [Finding(check="smoke.allreduce", severity=OK, hosts=everyone,
-                        message=f"all-reduce across {s.world_size} ranks with {s.backend} "
+                        message=f"all-reduce across {s.world_size} rank{'' if s.world_size == 1 else 's'} "
+                                f"with {s.backend} "
                                 f"succeeded in {s.seconds:.1f}s"
                                 + (f" (NCCL used {s.nccl_net})" if s.nccl_net else ""))]
     if s.status == "skipped":

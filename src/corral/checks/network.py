@@ -69,6 +69,8 @@ def _no_interface(host: str, partial: Mapping[str, tuple[str, ...]]) -> Finding:
 
 def decoys(ev: Evidence) -> list[Finding]:
     """Container bridges and shared addresses that NCCL, gloo or MPI could pick by mistake."""
+    if len(ev.reachable) < 2:
+        return []  # one node: nothing travels between nodes
     dup = duplicated_addresses(ev)
     choices = choose_nics(ev)
     found: dict[str, tuple[str, ...]] = {}
