@@ -109,16 +109,20 @@ async def examine(cluster: Cluster, options: DoctorOptions, *, head_env: Mapping
 async def gather(cluster: Cluster, options: DoctorOptions, *, head_env: Mapping[str, str],
                  head_cwd: str, progress: Progress) -> Evidence:
     progress(f"connecting to {len(cluster.hosts)} node(s)...")
-    pool, unreachable = await _open_reachable(cluster, options.connect_timeout)
+    pool, down = await _open_reachable(cluster, options.connect_timeout)
+    unreachable = {h: e.message.split(": ", 1)[-1] for h, e in down.items()}
+    hints = {h: e.hint for h, e in down.items() if e.hint}
     if pool is None:
-        return Evidence(hosts=tuple(cluster.names), facts={}, unreachable=unreachable)
+        return Evidence(hosts=tuple(cluster.names), facts={}, unreachable=unreachable,
+                        unreachable_hints=hints)
     try:
         progress("collecting facts" + (" (importing torch on every node)..." if options.torch else "..."))
         facts, failed = await _facts(pool, cluster, options, head_cwd)
         unreachable.update(failed)
         clock = await _clock(pool, facts)
         ev = Evidence(
-            hosts=tuple(cluster.names), facts=facts, unreachable=unreachable, clock=clock,
+            hosts=tuple(cluster.names), facts=facts, unreachable=unreachable,
+            unreachable_hints=hints, clock=clock,
             slots={h.name: h.slots for h in cluster.hosts},
             env={h.name: _effective_env(cluster, h.name, facts, head_env) for h in cluster.hosts
                  if h.name in facts},
@@ -168,14 +172,14 @@ async def _none() -> None:
     return None
 
 
-async def _open_reachable(cluster: Cluster, timeout: float) -> tuple[AgentPool | None, dict[str, str]]:
-    """A pool on every host that answers; the others with the reason."""
+async def _open_reachable(cluster: Cluster, timeout: float) -> tuple[AgentPool | None, dict[str, HostError]]:
+    """A pool on every host that answers; the others with their error."""
     pool = AgentPool(cluster, tag="corral-doctor", connect_timeout=timeout)
     try:
         await pool.open()
         return pool, {}
     except PreflightError as err:
-        down = {p.host: p.message.split(": ", 1)[-1] for p in err.problems if isinstance(p, HostError)}
+        down = {p.host: p for p in err.problems if isinstance(p, HostError)}
     rest = tuple(h for h in cluster.hosts if h.name not in down)
     if not rest:
         return None, down
@@ -183,7 +187,7 @@ async def _open_reachable(cluster: Cluster, timeout: float) -> tuple[AgentPool |
     try:
         await pool.open()
     except PreflightError as err:
-        down.update({p.host: p.message.split(": ", 1)[-1] for p in err.problems})
+        down.update({p.host: p for p in err.problems if isinstance(p, HostError)})
         return None, down
     return pool, down
 
@@ -201,7 +205,7 @@ async def _facts(pool: AgentPool, cluster: Cluster, options: DoctorOptions, head
     facts, failed = {}, {}
     for s, r in zip(pool.sessions, results):
         if isinstance(r, BaseException):
-            failed[s.name] = getattr(r, "message", None) or f"facts.collect failed: {r}"
+            failed[s.name] = f"collecting facts failed: {getattr(r, 'message', None) or r}"
         else:
             facts[s.name] = {**r, "host": s.name}
     return facts, failed

@@ -136,8 +136,9 @@ class Evidence:
     env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     #: The address the head knows each host by (ssh target), if any.
     addresses: Mapping[str, str] = field(default_factory=dict)
-    #: Hosts the agent could not reach, with the reason.
+    #: Hosts the agent could not reach, with the reason (and the fix, when known).
     unreachable: Mapping[str, str] = field(default_factory=dict)
+    unreachable_hints: Mapping[str, str] = field(default_factory=dict)
     clock: Mapping[str, ClockSample] = field(default_factory=dict)
     ports: tuple[PortProbe, ...] | None = None
     ssh: tuple[SshProbe, ...] | None = None
@@ -160,7 +161,7 @@ class Evidence:
         return {
             "hosts": list(self.hosts), "facts": dict(self.facts), "slots": dict(self.slots),
             "env": {h: dict(e) for h, e in self.env.items()}, "addresses": dict(self.addresses),
-            "unreachable": dict(self.unreachable),
+            "unreachable": dict(self.unreachable), "unreachable_hints": dict(self.unreachable_hints),
             "clock": {h: asdict(c) for h, c in self.clock.items()},
             "ports": many(self.ports), "ssh": many(self.ssh), "links": many(self.links),
             "smoke": None if self.smoke is None else asdict(self.smoke),
@@ -179,6 +180,7 @@ class Evidence:
             hosts=tuple(data["hosts"]), facts=data.get("facts", {}), slots=data.get("slots", {}),
             env=data.get("env", {}), addresses=data.get("addresses", {}),
             unreachable=data.get("unreachable", {}),
+            unreachable_hints=data.get("unreachable_hints", {}),
             clock={h: ClockSample(**c) for h, c in (data.get("clock") or {}).items()},
             ports=many(PortProbe, data.get("ports")), ssh=many(SshProbe, data.get("ssh")),
             links=many(LinkProbe, data.get("links")), smoke=smoke,

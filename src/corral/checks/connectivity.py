@@ -45,11 +45,12 @@ def agents(ev: Evidence) -> list[Finding]:
     """Every host answered (an unreachable host cannot be checked at all)."""
     out = [Finding(check="connectivity.agent", severity=ERROR, hosts=HostSet.of([h]),
                    message=f"not reachable from this machine: {why}",
-                   hint="`corral hosts` shows how corral reaches it; try `ssh` to it by hand")
+                   hint=ev.unreachable_hints.get(h)
+                   or "`corral hosts` shows how corral reaches it; try `ssh` to it by hand")
            for h, why in ev.unreachable.items()]
     if ev.reachable:
         out.append(Finding(check="connectivity.agent", severity=OK,
-                           hosts=HostSet.of(ev.reachable), message="reached over SSH"))
+                           hosts=HostSet.of(ev.reachable), message="the corral agent answers"))
     return out
 
 

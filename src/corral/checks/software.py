@@ -115,7 +115,7 @@ def torch_import(ev: Evidence) -> list[Finding]:
         missing = "not installed" in error
         out.append(Finding(
             check="software.torch", severity=ERROR, hosts=hosts,
-            message=f"torch {'is not installed' if missing else 'does not import'}: {error}",
+            message=error if missing else f"torch does not import: {error}",
             hint=(f"install torch for {_paths(ev, hosts)} on {hosts} (pip install torch), or point "
                   "`python` in the cluster file at the environment that has it")
             if missing else

@@ -150,6 +150,9 @@ def _render_env(report: DoctorReport, fixed: FixResult | None) -> None:
         what = "created" if fixed.created else "updated"
         con.print(f"\n[bold]Environment[/] written to {escape(str(fixed.path))} ({what}; "
                   f"{'[cluster.env]' if fixed.layout == 'cluster' else 'each [[hosts]] env'}):")
+    elif all(all(report.evidence.env_of(h).get(k) == v for k, v in env.items())
+             for h, env in report.recommended_env.items()):
+        con.print("\n[bold]Environment[/]: the recommended variables are already set:")
     else:
         con.print("\n[bold]Recommended environment[/] (`corral doctor --fix-env` writes it into "
                   "the cluster file):")

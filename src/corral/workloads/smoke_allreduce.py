@@ -33,7 +33,7 @@ def link_check(wait: float = 5.0) -> list:
     hosts = os.environ["CORRAL_HOSTS"].split(",")
     ips = os.environ["CORRAL_NODE_IPS"].split(",")
     node = int(os.environ["CORRAL_NODE_RANK"])
-    prefix = "corral-smoke/%s/" % os.environ.get("CORRAL_RUN_ID", "run")
+    prefix = f"corral-smoke/{os.environ.get('CORRAL_RUN_ID', 'run')}/"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=datetime.timedelta(seconds=120))
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -44,16 +44,16 @@ def link_check(wait: float = 5.0) -> list:
             listener.bind(("0.0.0.0", 0))
         listener.listen(64)
         threading.Thread(target=_accept, args=(listener,), daemon=True).start()
-        store.set(prefix + "addr/%d" % node, "%s:%d" % (ips[node], listener.getsockname()[1]))
+        store.set(f"{prefix}addr/{node}", f"{ips[node]}:{listener.getsockname()[1]}")
         failures = []
 
         def connect(peer: int) -> None:
-            addr, port = store.get(prefix + "addr/%d" % peer).decode().rsplit(":", 1)
+            addr, port = store.get(f"{prefix}addr/{peer}").decode().rsplit(":", 1)
             try:
                 socket.create_connection((addr, int(port)), timeout=wait).close()
             except OSError as e:
                 why = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e))
-                failures.append({"src": hosts[node], "dst": hosts[peer], "address": "%s:%s" % (addr, port),
+                failures.append({"src": hosts[node], "dst": hosts[peer], "address": f"{addr}:{port}",
                                  "error": why})
 
         threads = [threading.Thread(target=connect, args=(p,)) for p in range(len(hosts)) if p != node]
@@ -61,8 +61,8 @@ def link_check(wait: float = 5.0) -> list:
             t.start()
         for t in threads:
             t.join()
-        store.set(prefix + "links/%d" % node, json.dumps(failures))
-    results = [json.loads(store.get(prefix + "links/%d" % n)) for n in range(len(hosts))]
+        store.set(f"{prefix}links/{node}", json.dumps(failures))
+    results = [json.loads(store.get(f"{prefix}links/{n}")) for n in range(len(hosts))]
     return [f for r in results for f in r]
 
 
@@ -86,7 +86,7 @@ def main() -> int:
     mine = [f for f in failures if f["src"] == me]
     if mine and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         f = mine[0]
-        raise RuntimeError("%s cannot open a TCP connection to %s at %s: %s" % (
+        raise RuntimeError("{} cannot open a TCP connection to {} at {}: {}".format(
             f["src"], f["dst"], f["address"], f["error"]))
     if failures:
         return 0  # another node's link is broken; that node reports it
