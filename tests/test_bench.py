@@ -86,6 +86,17 @@ def test_nccl_network_from_debug_output() -> None:
     assert nccl_network(["epoch 1 loss 0.3"]) is None
 
 
+def test_cli_refuses_nothing_to_do_and_bad_sizes() -> None:
+    from click.testing import CliRunner
+
+    from corral.cli import cli
+
+    result = CliRunner().invoke(cli, ["bench", "-H", "a,b", "--no-links", "--no-allreduce"])
+    assert result.exit_code == 2 and "nothing to do" in result.output
+    result = CliRunner().invoke(cli, ["bench", "-H", "a,b", "--max-size", "lots"])
+    assert result.exit_code == 2 and "size 'lots'" in result.output
+
+
 # ---------------------------------------------------------------------------
 # on a shaped sandbox
 

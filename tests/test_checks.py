@@ -483,6 +483,17 @@ def test_smoke_failure_names_node_and_peer() -> None:
     assert found.hosts == HostSet.of(["node2", "node3"]) and "failed on node2 rank 1 (the other end: node3)" in found.message
 
 
+def test_nccl_over_sockets_despite_infiniband() -> None:
+    data = recorded()
+    for h in NODES:
+        _ib(data["facts"][h])
+    data["smoke"].update(backend="nccl", nccl_net="Socket")
+    found = one(evidence(data), "smoke.allreduce", WARNING)
+    assert found.hosts == HostSet.of(NODES) and "over TCP sockets" in found.message
+    data["smoke"]["nccl_net"] = "IB"
+    assert "(NCCL used IB)" in one(evidence(data), "smoke.allreduce", OK).message
+
+
 def test_a_crashing_check_becomes_a_finding() -> None:
     def broken(ev: Evidence) -> list[Finding]:
         raise KeyError("gpus")

@@ -15,6 +15,7 @@ from corral.checks.base import (
     LinkProbe,
     human_bps,
 )
+from corral.checks.nics import active_ib_ports
 from corral.hostrange import HostSet
 
 #: A link (or node) slower than this fraction of its peers' is flagged.
@@ -200,6 +201,16 @@ def smoke(ev: Evidence) -> list[Finding]:
     if s is None:
         return []
     everyone = HostSet.of(ev.hosts)
+    if s.status == "ok" and s.nccl_net == "Socket":
+        with_ib = HostSet.of(h for h in ev.reachable if active_ib_ports(ev.facts[h]))
+        if with_ib:
+            return [Finding(
+                check="smoke.allreduce", severity=WARNING, hosts=with_ib,
+                message="the NCCL all-reduce worked, but over TCP sockets although InfiniBand is "
+                        "active here (typically 5-10x slower)",
+                hint="look for NCCL_IB_DISABLE / NCCL_NET=Socket in the environment, and for a "
+                     "missing libibverbs or RDMA device access (containers: --device=/dev/infiniband)",
+            )]
     if s.status == "ok":
         return [Finding(check="smoke.allreduce", severity=OK, hosts=everyone,
                         message=f"all-reduce across {s.world_size} rank{'' if s.world_size == 1 else 's'} "
