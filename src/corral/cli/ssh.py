@@ -311,7 +311,7 @@ def _finish(report: SetupReport, as_json: bool, *, verb: str) -> None:
 
 def render_report(report: SetupReport, *, verb: str) -> None:
     con = ui.console()
-    would = "would " if report.dry_run else ""
+    would = "(dry run, not done) " if report.dry_run else ""
     for change in report.head:
         con.print(f"[bold]this machine[/]: {would}{escape(change)}")
     groups: dict[tuple[str, ...], list[str]] = {}

@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 #: Password attempts per host before giving up (interactive only).
 PASSWORD_ATTEMPTS = 3
+ETC_HOSTS_HINT = (
+    'run setup as root for --etc-hosts (user = "root" in the cluster file), '
+    "or leave --etc-hosts out and use --ssh-config"
+)
 
 
 class Asker(Protocol):
@@ -186,7 +190,11 @@ async def log_in(
                 lambda h: session.call(
                     h,
                     "add_authorized_key",
-                    {"cluster_id": options.cluster_id, "key": head_key},
+                    {
+                        "cluster_id": options.cluster_id,
+                        "key": head_key,
+                        "etc_hosts": options.etc_hosts,
+                    },
                     password=True,
                 ),
             )
@@ -195,7 +203,7 @@ async def log_in(
         denied = [p for p in problems if p.kind == "auth-refused"]
         if [p for p in problems if p.kind != "auth-refused"]:
             raise PreflightError(
-                [p for p in problems if p.kind != "auth-refused"], what="password login"
+                [_hinted(p) for p in problems if p.kind != "auth-refused"], what="password login"
             )
         if not denied:
             break
@@ -377,9 +385,15 @@ async def setup(cluster: Cluster, options: SetupOptions, asker: Asker) -> SetupR
         finally:
             session.close()
     nodes = {
-        h.name: tuple(session.extra_changes.get(h.name, []))
-        + tuple(facts[h.name].get("changes", []))
-        + tuple(applied[h.name])
+        h.name: tuple(
+            dict.fromkeys(
+                [
+                    *session.extra_changes.get(h.name, []),
+                    *facts[h.name].get("changes", []),
+                    *applied[h.name],
+                ]
+            )
+        )
         for h in cluster.hosts
     }
     return SetupReport(
@@ -401,8 +415,7 @@ def _check_etc_hosts(cluster: Cluster, facts: Mapping[str, dict], options: Setup
         HostError(
             n,
             f"/etc/hosts is not writable for {f.get('user')}",
-            hint='run setup as root for --etc-hosts (user = "root" in the cluster file), '
-            "or leave --etc-hosts out and use --ssh-config",
+            hint=ETC_HOSTS_HINT,
             kind="etc-hosts-denied",
         )
         for n, f in facts.items()
@@ -410,6 +423,14 @@ def _check_etc_hosts(cluster: Cluster, facts: Mapping[str, dict], options: Setup
     ]
     if denied:
         raise PreflightError(denied, what="--etc-hosts")
+
+
+def _hinted(err: HostError) -> HostError:
+    if err.kind == "etc-hosts-denied" and not err.hint:
+        return HostError(
+            err.host, err.message[len(err.host) + 2 :], hint=ETC_HOSTS_HINT, kind=err.kind
+        )
+    return err
 
 
 def _warnings(

@@ -265,7 +265,7 @@ def inspect(cluster_id: str, dry_run: bool = False) -> dict:
         _uses(man, key, cid)
         _uses(man, key + ".pub", cid)
     elif dry_run:
-        changes.append(f"generate ~/.ssh/{KEY_NAME}")
+        changes.append(f"generated ~/.ssh/{KEY_NAME}")
     else:
         comment = f"corral@{socket.gethostname()}"
         proc = subprocess.run(
@@ -343,13 +343,17 @@ def apply(cluster_id: str, blocks: dict, dry_run: bool = False) -> list:
     return changes
 
 
-def add_authorized_key(cluster_id: str, key: str, dry_run: bool = False) -> list:
+def add_authorized_key(
+    cluster_id: str, key: str, dry_run: bool = False, etc_hosts: bool = False
+) -> list:
     """Put the head's key into this cluster's authorized_keys block (kept: the rest).
 
     The one thing done over a password connection; everything else then
     runs over key logins.
     """
     cid = check_id(cluster_id)
+    if etc_hosts and not os.access(ETC_HOSTS, os.W_OK):  # say so before changing anything
+        raise NodeError(f"{ETC_HOSTS} is not writable for {_user()}", "etc-hosts-denied")
     lines = block_lines(read(path_of("authorized_keys")), cid) or []
     if key.strip() in lines:
         return []

@@ -50,7 +50,8 @@ try:
         _args["stream"] = _r
     _v = {"value": _g[_h["fn"]](**_args)}
 except Exception as _e:
-    _v = {"error": "%s: %s" % (type(_e).__name__, _e), "kind": getattr(_e, "kind", "error")}
+    _k = getattr(_e, "kind", None)  # node-side errors meant for the user carry a kind
+    _v = {"error": str(_e) if _k else "%s: %s" % (type(_e).__name__, _e), "kind": _k or "error"}
 sys.stdout.write("\n@@corral-result@@" + json.dumps(_v) + "\n")
 sys.stdout.flush()
 """
