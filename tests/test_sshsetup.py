@@ -524,6 +524,30 @@ def test_rerun_is_a_noop_and_says_so(pw_sandbox, head) -> None:
 
 
 @pytest.mark.sandbox
+def test_check_prints_the_matrix_and_etc_hosts_needs_root(pw_sandbox, head) -> None:
+    res = corral(
+        "ssh", "check", "-c", str(head["cluster"]), "--identity", str(head["identity"]), "--json"
+    )
+    assert res.returncode == 0, res.stderr
+    matrix = json.loads(res.stdout)
+    assert matrix["ok"] and set(matrix["cells"]) == set(pw_sandbox.nodes)
+    state = {n: node_state(pw_sandbox, n) for n in pw_sandbox.nodes}
+    denied = corral(
+        "ssh",
+        "setup",
+        "-c",
+        str(head["cluster"]),
+        "--identity",
+        str(head["identity"]),
+        "--etc-hosts",
+    )
+    assert denied.returncode == 3
+    assert f"{pw_sandbox.nodes[0]}: /etc/hosts is not writable for corral" in denied.stderr
+    assert "run setup as root" in denied.stderr
+    assert {n: node_state(pw_sandbox, n) for n in pw_sandbox.nodes} == state  # checked first
+
+
+@pytest.mark.sandbox
 def test_pdsh_works_from_a_node_with_no_manual_step(pw_sandbox, head) -> None:
     first = pw_sandbox.nodes[0]
     prefix = pw_sandbox.nodes[0][:-1]
