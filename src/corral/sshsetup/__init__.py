@@ -13,19 +13,13 @@ head's identity), ``askpass`` (passwords to ssh without argv/env/disk),
 ``nodeside`` (stdlib code run on the nodes: marked blocks, manifest, node
 keys, login matrix), ``plan`` (what each node's blocks hold), ``session``
 (pinned ssh calls), ``verify`` (the matrix), ``apply`` (the steps in order),
-``remote`` (one-shot node calls, also used by ``corral.sync``).
+``steps`` (host keys, login, password), ``remote`` (one-shot node calls,
+also used by ``corral.sync``).
 See docs/ssh.md.
 """
 
-from corral.sshsetup.apply import (
-    Asker,
-    SetupOptions,
-    SetupReport,
-    check,
-    default_cluster_id,
-    setup,
-    teardown,
-)
+from corral.sshsetup.apply import SetupReport, check, default_cluster_id, setup, teardown
+from corral.sshsetup.steps import Asker, SetupOptions
 from corral.sshsetup.verify import Matrix
 
 __all__ = [
