@@ -50,7 +50,7 @@ class ProgressView:
         self._progress = Progress(
             TextColumn("[dim]corral:[/] sync"),
             BarColumn(),
-            DownloadColumn(),
+            DownloadColumn(binary_units=True),
             TransferSpeedColumn(),
             TimeRemainingColumn(),
             console=con,

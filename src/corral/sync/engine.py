@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(nodetree.__file__).read_text()
 MiB = 1 << 20
+#: A node hashing terabytes for the first time takes long; a dead node is
+#: noticed by ssh's keepalives (seconds), not by this.
+CALL_TIMEOUT_S = 24 * 3600.0
 
 
 class SyncView(Protocol):
@@ -146,7 +149,7 @@ class Syncer:
         self.view.note(text)
 
     async def call(
-        self, host: Host, fn: str, args: dict[str, Any], *, timeout: float = 600.0
+        self, host: Host, fn: str, args: dict[str, Any], *, timeout: float = CALL_TIMEOUT_S
     ) -> Any:
         remote = remote_command(host.python)
         argv = (

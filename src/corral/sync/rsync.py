@@ -89,8 +89,8 @@ async def send(
         )
     except FileNotFoundError:
         raise HostError(
-            host.name,
-            "rsync is not installed on this machine",
+            "this machine",
+            "rsync is not installed here",
             hint="apt-get install rsync (or your distribution's package)",
         ) from None
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
