@@ -160,36 +160,39 @@ def signal_tree(sig: int) -> int:
     return n
 
 
+def _stat_fields(pid: int):
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
 def reap_orphans(keep: set) -> None:
-    """Reap zombie children that are not ``keep`` (those belong to Popen)."""
-    if not hasattr(os, "waitid"):  # not Linux: scan our tree instead
-        for pid in descendants(os.getpid()):
-            if pid not in keep and _is_zombie(pid):
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-        return
-    while True:
+    """Reap zombie children that the workload's tree left to us (we are its subreaper).
+
+    Only children outside the agent's own session: processes the agent itself
+    starts (``subprocess.run`` in a ``call`` function) are reaped by their
+    Popen, which would otherwise see a vanished child and report exit code 0.
+    ``keep`` (the launcher's Popen) is left alone too.
+    """
+    me = os.getpid()
+    my_session = os.getsid(0)
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        if pid in keep:
+            continue
+        fields = _stat_fields(pid)
+        # fields: 0 state, 1 ppid, 2 pgrp, 3 session
+        if not fields or fields[0] != b"Z" or int(fields[1]) != me or int(fields[3]) == my_session:
+            continue
         try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return
-        if info is None or info.si_pid == 0:
-            return
-        if info.si_pid in keep:
-            # Leave it for Popen.poll(); look for others by scanning /proc.
-            for pid in descendants(os.getpid()):
-                if pid not in keep and _is_zombie(pid):
-                    try:
-                        os.waitpid(pid, os.WNOHANG)
-                    except ChildProcessError:
-                        pass
-            return
-        try:
-            os.waitpid(info.si_pid, os.WNOHANG)
-        except ChildProcessError:
-            return
+            pass
 
 
 def kill_tree(grace: float, keep: set) -> None:
@@ -611,7 +614,9 @@ class Agent:
             for relay in self.pipe_relays:
                 relay.tick()
             self.check_workload()
-            reap_orphans({self.proc.pid} if self.proc is not None else set())
+            if _CHILD_EXITED.is_set():  # scanning /proc only when a child changed state
+                _CHILD_EXITED.clear()
+                reap_orphans({self.proc.pid} if self.proc is not None else set())
         self.shutdown()
         return 0
 
@@ -659,6 +664,13 @@ def stacks(sig: int, timeout: float = 3.0) -> dict:
     return out
 
 
+_CHILD_EXITED = threading.Event()
+
+
+def _on_child(signum, frame):  # pragma: no cover - signal plumbing
+    _CHILD_EXITED.set()
+
+
 def _on_term(signum, frame):  # pragma: no cover - exercised by head-death tests
     raise SystemExit(128 + signum)
 
@@ -679,6 +691,7 @@ def main(reader=None) -> int:
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGHUP, _on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, _on_child)
     import platform
     import socket
 
