@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from corral.agent.node import LineSplitter
+from corral.agent.relay import LineSplitter
 from corral.agent.session import AgentPool
 from corral.model import Cluster, Host
 

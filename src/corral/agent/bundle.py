@@ -17,6 +17,8 @@ NODE_MODULES = {
     "corral_agent_probes": "probes.py",
     "corral_agent_facts": "facts.py",
     "corral_agent_links": "links.py",
+    "corral_agent_proctree": "proctree.py",
+    "corral_agent_relay": "relay.py",
     "corral_agent_node": "node.py",
 }
 MAIN = "corral_agent_node"

@@ -1,0 +1,242 @@
+"""The agent's output relay: lines and status updates from ranks and launchers (stdlib only).
+
+Shipped to nodes as ``corral_agent_relay``.  Ranks write to node-local files
+(see ``hook/sitecustomize.py``) that ``RankTailer`` tails, so a slow head never
+blocks a training step; launcher pipes are pumped by ``pump_pipe``.  Every
+event is one JSON line on the agent's protocol channel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+try:  # on a node, modules are installed under their wire names
+    from corral_agent_proctree import _zombie_status, descendants
+except ImportError:  # imported as part of the corral package (tests, head)
+    from corral.agent.proctree import _zombie_status, descendants
+
+#: How often rank log files are polled.
+TAIL_INTERVAL_S = 0.02
+#: Longest partial line kept before it is sent anyway.
+MAX_PARTIAL = 64 * 1024
+
+
+class Channel:
+    """Writes events to the head; thread-safe; never raises into callers."""
+
+    def __init__(self, fd: int):
+        self._f = os.fdopen(fd, "wb", buffering=0)
+        self._lock = threading.Lock()
+        self.broken = False
+
+    def send(self, **event: object) -> None:
+        data = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self.broken:
+                return
+            try:
+                self._f.write(data)
+            except (BrokenPipeError, OSError):
+                self.broken = True
+
+
+class LineSplitter:
+    """Split a byte stream into newline lines and carriage-return updates.
+
+    A ``\\r`` not followed by ``\\n`` ends a *status* segment (tqdm redraws);
+    only the latest status per read is kept, so a progress bar becomes one
+    live status line instead of a flood.
+    """
+
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def feed(self, data: bytes) -> tuple:
+        """Return (lines, last_status) for this chunk."""
+        self.buf += data.replace(b"\r\n", b"\n")
+        lines = []
+        status = None
+        while True:
+            i_n = self.buf.find(b"\n")
+            i_r = self.buf.find(b"\r")
+            if i_n < 0 and i_r < 0:
+                break
+            if i_r >= 0 and (i_n < 0 or i_r < i_n):
+                if i_r == len(self.buf) - 1:
+                    break  # a '\r' at the end may be the start of '\r\n'
+                seg, self.buf = self.buf[:i_r], self.buf[i_r + 1 :]
+                if seg.strip():
+                    status = seg
+                continue
+            seg, self.buf = self.buf[:i_n], self.buf[i_n + 1 :]
+            lines.append(seg)
+            status = None
+        if len(self.buf) > MAX_PARTIAL:
+            lines.append(self.buf)
+            self.buf = b""
+        return lines, status
+
+    def flush(self) -> list:
+        rest, self.buf = self.buf, b""
+        rest = rest.rstrip(b"\r")
+        return [rest] if rest else []
+
+
+def _text(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
+
+
+class Relay:
+    """Emit line/status events for one source (a rank file or a pipe).
+
+    Status updates (``\r`` redraws) are throttled to ``STATUS_EVERY_S``;
+    ``tick`` sends the latest one when it is due, so the final state of a bar
+    is never lost and a fast bar never floods the channel.
+    """
+
+    STATUS_EVERY_S = 0.1
+
+    def __init__(self, chan: Channel, rank, stream: str):
+        self.chan = chan
+        self.rank = rank
+        self.stream = stream
+        self.splitter = LineSplitter()
+        self.lock = threading.Lock()
+        self.pending = None
+        self.last_status = 0.0
+
+    def feed(self, data: bytes) -> None:
+        with self.lock:
+            lines, status = self.splitter.feed(data)
+            if lines:
+                self.pending = None  # a finished line supersedes a half-drawn bar
+            for line in lines:
+                self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line))
+            if status is not None:
+                self.pending = status
+        self.tick()
+
+    def tick(self) -> None:
+        with self.lock:
+            now = time.monotonic()
+            if self.pending is not None and now - self.last_status >= self.STATUS_EVERY_S:
+                self.chan.send(ev="status", r=self.rank, s=self.stream, t=_text(self.pending))
+                self.pending = None
+                self.last_status = now
+
+    def close(self) -> None:
+        with self.lock:
+            for line in self.splitter.flush():
+                self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line))
+
+
+def pump_pipe(pipe, relay: Relay) -> None:
+    """Relay a launcher pipe until EOF (runs in its own thread)."""
+    fd = pipe.fileno()
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        relay.feed(data)
+    relay.close()
+
+
+class RankTailer(threading.Thread):
+    """Tail ``rank<N>.log`` (stdout and stderr, in write order) of the rank hook.
+
+    Also watches each rank's main pid (``rank<N>.pid``) and reports its exit
+    with the status the hook recorded (``rank<N>.status``), so the head learns
+    which rank failed first even when the launcher reports it late or not at
+    all.
+    """
+
+    def __init__(self, chan: Channel, log_dir: str):
+        super().__init__(name="tail", daemon=True)
+        self.chan = chan
+        self.log_dir = log_dir
+        self.files: dict = {}  # name -> [fd, Relay]
+        self.pids: dict = {}  # rank -> pid
+        self.exited: set = set()
+        self.stop_evt = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_evt.is_set():
+            self.poll()
+            self.stop_evt.wait(TAIL_INTERVAL_S)
+        self.poll()
+        for fd, relay in self.files.values():
+            relay.close()
+            os.close(fd)
+        self.files.clear()
+
+    def poll(self) -> None:
+        try:
+            names = sorted(os.listdir(self.log_dir))
+        except OSError:
+            return
+        for name in names:
+            base, _, ext = name.partition(".")
+            if not base.startswith("rank") or not base[4:].isdigit():
+                continue
+            rank = int(base[4:])
+            if ext == "log" and name not in self.files:
+                try:
+                    fd = os.open(os.path.join(self.log_dir, name), os.O_RDONLY)
+                except OSError:
+                    continue
+                self.files[name] = [fd, Relay(self.chan, rank, "log")]
+            elif ext == "pid" and rank not in self.pids:
+                try:
+                    with open(os.path.join(self.log_dir, name)) as f:
+                        self.pids[rank] = int(f.read().strip() or 0)
+                except (OSError, ValueError):
+                    pass
+        for name in sorted(self.files):
+            fd, relay = self.files[name]
+            while True:
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                relay.feed(data)
+            relay.tick()
+        for rank, pid in list(self.pids.items()):
+            if rank in self.exited or pid <= 0:
+                continue
+            status = _zombie_status(pid)
+            if status is not None or not os.path.exists("/proc/%d" % pid):
+                self.exited.add(rank)
+                event = {"code": None, "sig": None, "exc": self._exception(rank)}
+                if status is not None:
+                    # waitpid(2) encoding, read while the launcher has not reaped it yet.
+                    if status & 0x7F:
+                        event["sig"] = status & 0x7F
+                    else:
+                        event["code"] = (status >> 8) & 0xFF
+                self.chan.send(ev="rank_exit", r=rank, **event)
+
+    def _exception(self, rank: int):
+        path = os.path.join(self.log_dir, "rank%d.status" % rank)
+        try:
+            with open(path) as f:
+                return json.load(f).get("exc")
+        except (OSError, ValueError):
+            return None
+
+    def signal_ranks(self, sig: int) -> list:
+        """Signal each rank's main process (only pids the hook registered)."""
+        mine = set(descendants(os.getpid()))
+        done = []
+        for rank, pid in self.pids.items():
+            if pid in mine and rank not in self.exited:
+                try:
+                    os.kill(pid, sig)
+                    done.append(rank)
+                except OSError:
+                    pass
+        return done
