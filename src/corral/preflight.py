@@ -63,7 +63,7 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
             continue
         for missing in r.get("missing", []):
             problems.append(HostError(
-                s.name, f"{missing} not found in {wd.get('path')}",
+                s.name, f"{missing} not found" + ("" if missing.startswith("/") else f" in {wd.get('path')}"),
                 hint="sync the project to every node (`corral sync`) or check the path",
                 kind="no-script"))
         for mod, ok in (r.get("modules") or {}).items():
