@@ -303,3 +303,16 @@ def test_bad_socket_ifname_on_one_node_is_diagnosed_live(sandbox, tmp_path: Path
     assert "Likely cause:" in res.stderr and "GLOO_SOCKET_IFNAME" in res.stderr
     assert re.search(rf"Fix: {victim} has no usable interface named 'nosuch0'", res.stderr), res.stderr[-2000:]
     assert_clean(sandbox, within=5)
+
+
+def test_missing_interpreter_on_one_node_is_named(sandbox, tmp_path: Path) -> None:
+    victim = sandbox.nodes[1]
+    text = sandbox.cluster_file.read_text()
+    block = f'name = "{victim}"\naddress = "{sandbox.addresses[victim]}"\n'
+    cluster = tmp_path / "corral.toml"
+    cluster.write_text(text.replace(block, block + 'python = "/opt/nowhere/bin/python3"\n'))
+    res = corral(sandbox, ["examples/train_ddp.py"], REPO, cluster=cluster, timeout=60)
+    assert res.returncode == 3
+    assert f"{victim}: cannot run the interpreter '/opt/nowhere/bin/python3'" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert_clean(sandbox, within=5)

@@ -43,7 +43,8 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
     text = command_line(command).strip()
     if not text:
         raise UsageError("no command given", hint="corral exec -- COMMAND")
-    cluster = cluster_opts.load(notice=not as_json)
+    # No `ssh -G` pass: ssh resolves names itself, and exec is about speed.
+    cluster = cluster_opts.load(resolve=False, notice=not as_json)
 
     def live(host: str, stream: str, line: str) -> None:
         target = sys.stdout if stream == "out" else sys.stderr
