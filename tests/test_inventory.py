@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -338,7 +339,8 @@ def test_local_cluster_without_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
     cluster = local_cluster()
     (host,) = cluster.hosts
-    assert host == Host(name=socket.gethostname(), address="127.0.0.1", local=True, slots=2)
+    assert host == Host(name=socket.gethostname(), address="127.0.0.1", local=True, slots=2,
+                        python=sys.executable)  # the interpreter running corral (its venv has torch)
     assert cluster.is_local
     assert "2 CPU processes, no GPU found" in cluster.source
 

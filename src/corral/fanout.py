@@ -30,15 +30,17 @@ log = logging.getLogger(__name__)
 #: One line, no "!" and no newlines inside quotes: safe under sh, bash, zsh
 #: and csh login shells.  The command runs in its own session (setsid); a
 #: watcher reads the channel (fd 3); at EOF it signals the wrapper, which
-#: TERMs, then KILLs, the command's process group.  (`env kill`: dash's
-#: builtin cannot signal a process group.)
+#: TERMs, then KILLs, that session (``pkill -s``: the session id, never a
+#: name; the shells' builtin ``kill`` cannot signal a group, and procps'
+#: ``kill -- -PGID`` misparses small ids).  Without setsid/pkill it falls
+#: back to the command's own pid.
 WRAPPER = (
     "exec 3<&0; "
     'if command -v setsid >/dev/null 2>&1; then setsid sh -c "$1" </dev/null & '
     'else sh -c "$1" </dev/null & fi; '
     "c=$!; "
-    "trap 'env kill -s TERM -- -$c 2>/dev/null || kill $c; sleep 2; "
-    "env kill -s KILL -- -$c 2>/dev/null; exit 143' USR1; "
+    "trap 'pkill -TERM -s $c 2>/dev/null; kill -TERM $c 2>/dev/null; sleep 2; "
+    "pkill -KILL -s $c 2>/dev/null; kill -KILL $c 2>/dev/null; exit 143' USR1; "
     "( while read -r _ <&3; do :; done; kill -s USR1 $$ ) & "
     "w=$!; wait $c; r=$?; kill $w 2>/dev/null; exit $r"
 )

@@ -170,7 +170,9 @@ class JobWatch:
 
     def _rank_exit(self, host: str, ev: dict) -> None:
         code, sig, exc = ev.get("code"), ev.get("sig"), ev.get("exc")
-        if not code and not sig:
+        if not code and not sig and not exc:
+            # A clean exit, or one whose status the launcher reaped before the
+            # agent looked: the node's own exit code says which.
             return
         if self.stopping and (sig in _TERMINATED or sig == int(_signal.SIGKILL) or code in (143, 137)):
             return  # our own teardown

@@ -16,6 +16,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -102,8 +103,26 @@ class NodeOps:
         self._set_links(node, "down")
 
     def heal(self: Sandbox, node: str) -> None:
-        """Undo ``partition``."""
+        """Undo ``partition``; return once the link carries traffic again.
+
+        While the cable was out, ARP for the node's peers failed and the
+        kernels remember it (neighbour entries in FAILED state answer "No
+        route to host" for a while), so the neighbour tables of every node
+        are flushed, and the link is waited for.
+        """
         self._set_links(node, "up")
+        sp, nn = self.node_names(node)
+        devs = [nn.veth] + ([nn.fast_veth] if sp.fast_subnet else [])
+        for peer in self.nodes:
+            _, pn = self.node_names(peer)
+            netns.ip_batch(["neigh flush all"], netns=pn.netns, force=True)
+        netns.ip_batch([f"neigh flush dev {sp.bridge}"], force=True)  # the head's view, this bridge only
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            present = netns.links()
+            if all(d in present and netns.link_is_up(present[d]) for d in devs):
+                break
+            time.sleep(0.05)
 
     def _set_links(self: Sandbox, node: str, updown: str) -> None:
         preflight.check_privileges()
