@@ -1,0 +1,62 @@
+"""The run console: prefixes, progress bars as status lines, no flood."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from corral.console import RunConsole, parse_ranks
+
+
+class TTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_prefixes() -> None:
+    out = io.StringIO()
+    one = RunConsole(multi_host=False, out=out)
+    one.line("vm", 1, "log", "hello")
+    one.line("vm", None, "err", "torchrun says")
+    many = RunConsole(multi_host=True, out=out)
+    many.line("node2", 3, "log", "hi")
+    assert out.getvalue().splitlines() == ["[r1] hello", "[vm] torchrun says", "[node2/r3] hi"]
+
+
+def test_progress_on_a_terminal_is_one_redrawn_status_line() -> None:
+    out = TTY()
+    con = RunConsole(multi_host=False, out=out, color=False)
+    con.status("vm", 0, "0%|")
+    con.status("vm", 1, "rank1 0%")  # not selected (--ranks defaults to 0): never shown
+    con.line("vm", 0, "log", "epoch done")
+    con.close()
+    text = out.getvalue()
+    assert "rank1" not in text
+    # drawn as a footer, erased before the next line, erased again at close
+    assert text == "[r0] 0%|\n" + "\x1b[1F\x1b[J" + "[r0] epoch done\n"
+    # a finished line replaced the bar, so close() had nothing left to erase
+
+
+def test_status_updates_are_throttled_on_a_terminal() -> None:
+    out = TTY()
+    con = RunConsole(multi_host=False, out=out, color=False)
+    for i in range(500):
+        con.status("vm", 0, f"{i}%")
+    assert out.getvalue().count("[r0]") < 50  # redraws at most every 0.1 s
+
+
+def test_progress_without_a_terminal_does_not_flood() -> None:
+    out = io.StringIO()
+    con = RunConsole(multi_host=False, out=out)
+    for i in range(1000):
+        con.status("vm", 0, f"{i}/1000")
+    assert len(out.getvalue().splitlines()) == 1  # one line per 15 s at most
+
+
+def test_parse_ranks() -> None:
+    assert parse_ranks("0") == {0}
+    assert parse_ranks("0-2,7") == {0, 1, 2, 7}
+    assert parse_ranks("all") is None
+    with pytest.raises(ValueError):
+        parse_ranks("a-b")
