@@ -20,7 +20,6 @@ import shlex
 from dataclasses import dataclass
 from typing import Callable
 
-from corral.agent.session import _pdeathsig
 from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.transport import transport_for
@@ -76,8 +75,11 @@ async def _one(cluster: Cluster, host: Host, command: str, timeout: float | None
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=_pdeathsig,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True,
         )
+        # No PR_SET_PDEATHSIG here (it would force the slow fork path): if corral
+        # dies, its end of this stdin pipe closes, ssh forwards the EOF and the
+        # remote wrapper stops the command all the same.
     except FileNotFoundError as e:
         err = HostError(host.name, f"cannot run {argv[0]!r}: {e.strerror}")
         return HostResult(host=host.name, returncode=255, error=err)
