@@ -236,6 +236,11 @@ class Runner:
                          head_timeout=self.options.node_timeout)
         await pool.open()
         try:
+            if self.spec.launcher == "torchrun" and not self.spec.module:
+                # torchrun spends most of its start-up importing torch: let every
+                # node do that now, while preflight and the rendezvous check run.
+                await asyncio.gather(*(s.send(op="prewarm", python=s.host.python,
+                                              module="torch.distributed.run") for s in pool.sessions))
             probes = await preflight(pool, self.cluster, self.spec, self.head_cwd)
             port = self.spec.master_port or probes[pool.sessions[0].name].get("port")
             master = await choose_master(pool, probes, int(port))

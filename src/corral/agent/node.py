@@ -45,6 +45,19 @@ except ImportError:  # imported as part of the corral package (tests, head)
 
 PROTOCOL = 1
 
+#: A module imported ahead of its job (see ``Agent.op_prewarm``).  Reads one
+#: JSON line {args, cwd, env}; an empty line (the head gave up) just exits.
+PREWARM = (
+    "import json, os, runpy, sys\n"
+    "import %(module)s\n"
+    "job = json.loads(sys.stdin.readline() or 'null')\n"
+    "if job is None: raise SystemExit(0)\n"
+    "fd = os.open(os.devnull, os.O_RDONLY); os.dup2(fd, 0); os.close(fd)\n"
+    "os.chdir(job['cwd']); os.environ.clear(); os.environ.update(job['env'])\n"
+    "sys.argv = ['%(module)s'] + job['args']\n"
+    "runpy.run_module('%(module)s', run_name='__main__', alter_sys=True)\n"
+)
+
 #: How often the agent says it is alive, and how long it tolerates a silent head.
 HEARTBEAT_S = 1.0
 DEFAULT_HEAD_TIMEOUT_S = 10.0
@@ -65,6 +78,8 @@ class Agent:
         self.tailer = None
         self.pumps: list = []
         self.pipe_relays: list = []
+        self.prewarmed = None
+        self.prewarmed_argv: list = []
         self.workdir_tmp = None
         self.keep_tmp = False
         self.stopping = False
@@ -130,20 +145,22 @@ class Agent:
         old_pp = env.get("PYTHONPATH")
         env["PYTHONPATH"] = hook_dir + (os.pathsep + old_pp if old_pp else "")
         env["CORRAL_LOG_DIR"] = log_dir
-        try:
-            self.proc = subprocess.Popen(
-                spec["argv"],
-                cwd=spec.get("cwd") or None,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                close_fds=True,
-            )
-        except OSError as e:
-            self.chan.send(ev="exit", code=127, sig=None, error="cannot start %s: %s" % (spec["argv"][0], e))
-            return
+        self.proc = self.take_prewarmed(spec, env)
+        if self.proc is None:
+            try:
+                self.proc = subprocess.Popen(
+                    spec["argv"],
+                    cwd=spec.get("cwd") or None,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            except OSError as e:
+                self.chan.send(ev="exit", code=127, sig=None, error="cannot start %s: %s" % (spec["argv"][0], e))
+                return
         pipe_rank = spec.get("pipe_rank")
         self.pipe_relays = []
         for pipe, stream in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
@@ -155,6 +172,46 @@ class Agent:
         self.tailer = RankTailer(self.chan, log_dir)
         self.tailer.start()
         self.chan.send(ev="started", pid=self.proc.pid)
+
+    def op_prewarm(self, msg: dict) -> None:
+        """Start ``python -m <module>`` now, importing it while the head still checks.
+
+        For torchrun, importing torch is most of its start-up; the head sends
+        this as soon as it is connected, so the import overlaps preflight and
+        the rendezvous check.  The process then waits for its argv, cwd and
+        environment (``take_prewarmed``) and runs the module's ``main`` exactly
+        as ``python -m`` would.
+        """
+        if self.prewarmed is not None or self.proc is not None:
+            return
+        try:
+            self.prewarmed = subprocess.Popen(
+                [msg["python"], "-c", PREWARM % {"module": msg["module"]}],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, close_fds=True,
+            )
+            self.prewarmed_argv = [msg["python"], "-m", msg["module"]]
+        except OSError:
+            self.prewarmed = None  # start() will spawn normally and report any error
+
+    def take_prewarmed(self, spec: dict, env: dict):
+        """The prewarmed process, handed its job; None to spawn normally."""
+        proc, self.prewarmed = self.prewarmed, None
+        if proc is None:
+            return None
+        argv = list(spec["argv"])
+        if argv[:3] != self.prewarmed_argv or proc.poll() is not None:
+            if proc.poll() is None:  # prepared for another command: not needed
+                proc.kill()
+                proc.wait()
+            return None
+        job = {"args": argv[3:], "cwd": spec.get("cwd") or os.getcwd(), "env": env}
+        try:
+            proc.stdin.write((json.dumps(job) + "\n").encode())
+            proc.stdin.close()
+        except OSError:
+            return None
+        return proc
 
     def op_stop(self, msg: dict) -> None:
         if self.proc is None or self.stopping:
@@ -225,6 +282,7 @@ class Agent:
         threading.Thread(target=self.read_loop, name="read", daemon=True).start()
         threading.Thread(target=self.heartbeat_loop, name="hb", daemon=True).start()
         handlers = {
+            "prewarm": self.op_prewarm,
             "start": self.op_start,
             "stop": self.op_stop,
             "signal": self.op_signal,

@@ -160,7 +160,7 @@ class Sandbox(NodeOps, TeardownOps):
                 hint=f"corral sandbox up 4 --with-keys{_name_flag(self.name)}",
             )
         tools = preflight.check()
-        python, private_home = nodes_mod.python_layout()
+        python, private_home, shares = nodes_mod.python_layout()
         self._claim_state_dir()
         with self._lock():
             state = self._load()
@@ -181,7 +181,7 @@ class Sandbox(NodeOps, TeardownOps):
                 self._teardown(leftovers=True)  # leftovers of a crashed up without state
                 sp = request.resolve(self.name, None)
                 state = {"version": STATE_VERSION, "python": python, "private_home": private_home,
-                         "created": time.time(), "rates": {}}
+                         "shares": shares, "created": time.time(), "rates": {}}
             if password is not None and not sp.password_auth:
                 raise UsageError("--password only makes sense with --password-auth",
                                  hint="corral sandbox up 4 --password-auth --password SECRET")
@@ -349,7 +349,8 @@ class Sandbox(NodeOps, TeardownOps):
                 netns.empty_netns([nn.netns])
             nodes_mod.start(tools=tools, python=state["python"], spec=sp, node=nn,
                             node_dir=self.node_dir(nn.name), home=home,
-                            private_home=state["private_home"], hide=hide)
+                            private_home=state["private_home"], hide=hide,
+                            shares=state.get("shares", []))
         nodes_mod.wait_ready(sp, sp.all_nodes(), {nn.name: self.node_dir(nn.name) for nn in sp.all_nodes()})
 
     def _check_mesh(self, sp: SandboxSpec) -> None:

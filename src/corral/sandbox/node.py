@@ -133,6 +133,7 @@ def start(
     home: str,
     private_home: bool,
     hide: Sequence[str],
+    shares: Sequence[str] = (),
 ) -> None:
     """Start the node's init, detached from the head (``setsid -f``): the node
     outlives the ``corral sandbox up`` that started it, and the head keeps no
@@ -151,6 +152,8 @@ def start(
         argv.append("--private-home")
     for path in hide:
         argv += ["--hide", path]
+    for path in shares:
+        argv += ["--share", path]
     with open(node_dir / "init.log", "ab") as logfile:
         proc = subprocess.run(
             argv,
@@ -254,27 +257,41 @@ def dump_json(obj: object) -> str:
 _NODE_LOCAL = ("/tmp", "/var/tmp", "/srv")
 
 
-def python_layout() -> tuple[str, bool]:
-    """The interpreter nodes run, and whether /home can be node-private.
+def python_layout() -> tuple[str, bool, list[str]]:
+    """The interpreter nodes run, whether /home can be node-private, and shares.
 
     Nodes share the head's filesystem except their private directories, like
-    machines booted from one image; the head's Python must be visible there.
+    machines booted from one image; the head's Python (and corral's source
+    tree, for an editable install) must be visible there.  When one of them
+    lives under a node-private directory (a checkout in /tmp, as CI systems
+    often make), that one path is mounted through into every node: the
+    *shares*.  Everything else under /tmp, /var/tmp and /srv stays private.
     """
     python = sys.executable
     paths = {os.path.abspath(p) for p in (python, sys.prefix, sys.base_prefix)}
     paths.add(os.path.realpath(python))
-    for path in paths:
-        for private in _NODE_LOCAL:
-            if path == private or path.startswith(private + "/"):
-                raise SandboxError(
-                    f"this Python ({path}) lives under {private}, which is private to each "
-                    "sandbox node: the nodes could not run it",
-                    hint="install corral in a virtual environment outside /tmp, /var/tmp and /srv",
-                )
+    wanted = {os.path.abspath(sys.prefix), os.path.dirname(os.path.realpath(python)),
+              os.path.abspath(sys.base_prefix)}
+    source = Path(__file__).resolve().parents[3]  # <root>/src/corral/sandbox/node.py
+    if (source / "pyproject.toml").is_file():
+        wanted.add(str(source))
+    shares = []
+    for path in sorted(wanted):
+        if any(path == d or path.startswith(d + "/") for d in _NODE_LOCAL):
+            if any(path == d for d in _NODE_LOCAL):
+                raise SandboxError(f"this Python ({python}) lives directly in {path}, which is private "
+                                   "to each sandbox node",
+                                   hint="install corral in a virtual environment in a directory of its own")
+            if not any(path.startswith(s + "/") for s in shares):
+                shares.append(path)
+    shares = [p for p in shares if not any(p != q and p.startswith(q + "/") for q in shares)]
+    if shares:
+        log.info("mounted through into every node (they live under node-private directories): %s",
+                 ", ".join(shares))
     private_home = not any(p == "/home" or p.startswith("/home/") for p in paths)
     if not private_home:
         log.info("/home is shared with the nodes: this Python lives there (%s)", python)
-    return python, private_home
+    return python, private_home, shares
 
 
 def ensure_mountpoints(private_home: bool) -> None:

@@ -92,6 +92,9 @@ def setup_mounts(args: argparse.Namespace) -> None:
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     # Keep a handle on the node directory: /run, /tmp or /home may hide its path.
     fd = os.open(args.node_dir, os.O_RDONLY | os.O_DIRECTORY)
+    # Shared-through paths (a checkout or venv under /tmp): keep handles too.
+    shares = [(path, os.open(path, os.O_RDONLY | os.O_DIRECTORY)) for path in args.share
+              if os.path.isdir(path)]
     mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
     os.makedirs("/run/sshd", mode=0o755)
     os.makedirs(NODE_RUN, mode=0o700)
@@ -125,6 +128,10 @@ def setup_mounts(args: argparse.Namespace) -> None:
                         with open(skel) as src:
                             out.write(src.read())
             bind(own, target)
+    for path, share_fd in shares:
+        os.makedirs(path, exist_ok=True)  # inside the node's private directory
+        bind(f"/proc/self/fd/{share_fd}", path)
+        os.close(share_fd)
     mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
     for path in args.hide:
         if os.path.isdir(path):
@@ -188,6 +195,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hostname", required=True)
     parser.add_argument("--home", default="/root")
     parser.add_argument("--private-home", action="store_true")
+    parser.add_argument("--share", action="append", default=[])
     parser.add_argument("--hide", action="append", default=[])
     parser.add_argument("--sshd", default="/usr/sbin/sshd")
     return parser.parse_args(argv)
