@@ -236,7 +236,7 @@ class Runner:
                          head_timeout=self.options.node_timeout)
         await pool.open()
         try:
-            if self.spec.launcher == "torchrun" and not self.spec.module:
+            if self.spec.launcher == "torchrun":
                 # torchrun spends most of its start-up importing torch: let every
                 # node do that now, while preflight and the rendezvous check run.
                 await asyncio.gather(*(s.send(op="prewarm", python=s.host.python,
