@@ -32,6 +32,11 @@ import tempfile
 import threading
 import time
 
+try:  # on a node, modules are installed under their wire names
+    from corral_agent_probes import free_port
+except ImportError:  # imported as part of the corral package (tests, head)
+    from corral.agent.probes import free_port
+
 _servers: dict = {}
 _lock = threading.Lock()
 _CHUNK = 1 << 20
@@ -314,7 +319,7 @@ def iperf3_start() -> dict:
     if exe is None:
         return {"port": None, "error": "iperf3 is not installed"}
     for _ in range(5):
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen([exe, "-s", "-p", str(port)], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 5
@@ -361,15 +366,6 @@ def iperf3_send(address, port, seconds=2.0, omit=1) -> dict:
         return {"bps": None, "error": tail or f"iperf3 gave no result (exit {proc.returncode})"}
     return {"bps": float(received["bits_per_second"]), "seconds": received.get("seconds"),
             "bytes": received.get("bytes"), "error": None}
-
-
-def _free_port() -> int:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-    finally:
-        s.close()
 
 
 def _kill(proc) -> None:
