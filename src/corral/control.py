@@ -33,7 +33,8 @@ async def collect_stacks(pool: AgentPool, timeout: float = 3.0) -> dict[int, str
 
     async def one(s) -> dict[str, str]:
         try:
-            return await s.call("node.stacks", sig=STACK_SIGNAL, timeout=timeout) or {}
+            # `timeout` here bounds the call; the node waits up to its own 3 s for the dumps.
+            return await s.call("node.stacks", sig=STACK_SIGNAL, timeout=timeout + 10) or {}
         except Exception:  # noqa: BLE001 - a lost node simply has no stacks
             return {}
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shlex
 from dataclasses import dataclass
 from typing import Callable
 
@@ -161,9 +160,7 @@ async def run_everywhere(
 
 def command_line(words: tuple[str, ...]) -> str:
     """Words after ``--`` as one shell command line, like ssh and pdsh join them."""
-    if len(words) == 1:
-        return words[0]
     return " ".join(words)
 
 
-__all__ = ["HostResult", "run_everywhere", "command_line", "remote_argv", "shlex"]
+__all__ = ["HostResult", "run_everywhere", "command_line", "remote_argv"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from corral.errors import UsageError
-from corral.launchers import MULTI_PROCESS, PLANNERS, NodeContext
+from corral.launchers import MULTI_PROCESS, PLANNERS, REQUIRES, NodeContext
 from corral.model import Cluster, Host
 
 #: Head variables that travel to every node without being named: settings
@@ -231,7 +231,7 @@ def build_plan(
         cwd = spec.workdir or cluster.workdir_for(host) or head_cwd
         nodes.append(NodePlan(
             host=host, node_rank=rank, nproc=nproc, first_rank=ctx.first_rank,
-            argv=cmd.argv, env=env, cwd=cwd, pipe_rank=cmd.pipe_rank, requires=cmd.requires,
+            argv=cmd.argv, env=env, cwd=cwd, pipe_rank=cmd.pipe_rank, requires=REQUIRES[spec.launcher],
         ))
     return LaunchPlan(run_id=spec.run_id, launcher=spec.launcher, master_addr=master_addr,
                       master_port=master_port, nodes=tuple(nodes))

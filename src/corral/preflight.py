@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from corral.agent.session import AgentPool, AgentSession
 from corral.errors import HostError, PreflightError
+from corral.launchers import REQUIRES
 from corral.model import Cluster, Host
 from corral.plan import RunSpec
 
@@ -32,13 +33,7 @@ def _workdir(spec: RunSpec, cluster: Cluster, host: Host, head_cwd: str) -> str:
 
 async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: str) -> dict[str, dict]:
     """One round trip per node; every problem on every node in one error."""
-    from corral.launchers import PLANNERS, NodeContext
-
-    # The launcher's required module does not depend on the node.
-    probe_ctx = NodeContext(python="python3", program=spec.program, args=(), module=spec.module,
-                            node_rank=0, nnodes=1, nproc=1, master_addr="x", master_port=1,
-                            hostnames=("x",))
-    required = PLANNERS[spec.launcher](probe_ctx).requires
+    required = REQUIRES[spec.launcher]
     first = cluster.hosts[0].name
 
     def args_for(s: AgentSession) -> dict:

@@ -21,7 +21,7 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from corral.agent.bundle import payload, remote_argv
 from corral.errors import HostError, PreflightError
@@ -335,12 +335,3 @@ class AgentPool:
     async def close(self, *, timeout: float = 10.0) -> None:
         await asyncio.gather(*(s.close(timeout=timeout) for s in self.sessions if s.proc is not None))
 
-
-async def with_pool(cluster: Cluster, tag: str, body: Callable[[AgentPool], Awaitable[Any]], **kw: Any) -> Any:
-    """Open a pool, run ``body``, always close it."""
-    pool = AgentPool(cluster, tag=tag, **kw)
-    await pool.open()
-    try:
-        return await body(pool)
-    finally:
-        await pool.close()

@@ -15,7 +15,16 @@ PLANNERS: dict[str, Callable[[NodeContext], NodeCommand]] = {
     "command": command.plan,
 }
 
+#: The Python module a node must import for each launcher (preflight checks it).
+REQUIRES: dict[str, str | None] = {
+    "torchrun": "torch",
+    "accelerate": "accelerate",
+    "deepspeed": "deepspeed",
+    "lightning": "lightning",
+    "command": None,
+}
+
 #: Launchers whose processes per node are ``--nproc-per-node`` (``command`` is always 1).
 MULTI_PROCESS = {"torchrun", "accelerate", "deepspeed", "lightning"}
 
-__all__ = ["PLANNERS", "MULTI_PROCESS", "NodeCommand", "NodeContext"]
+__all__ = ["PLANNERS", "MULTI_PROCESS", "REQUIRES", "NodeCommand", "NodeContext"]

@@ -37,4 +37,4 @@ def plan(ctx: NodeContext) -> NodeCommand:
     if ctx.module:
         argv.append("--module")
     argv += [ctx.program, *ctx.args]
-    return NodeCommand(argv=tuple(argv), env=env, requires="accelerate")
+    return NodeCommand(argv=tuple(argv), env=env)

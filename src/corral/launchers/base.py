@@ -54,8 +54,6 @@ class NodeCommand:
     #: process *is* a rank (Lightning's local rank 0, `command`); None when
     #: it is a process manager (torchrun, accelerate, deepspeed).
     pipe_rank: int | None = None
-    #: Python module the node must be able to import for this launcher.
-    requires: str | None = None
 
 
 def program_argv(ctx: NodeContext) -> list[str]:

@@ -32,4 +32,4 @@ def plan(ctx: NodeContext) -> NodeCommand:
     if ctx.module:
         argv.append("--module")
     argv += [ctx.program, *ctx.args]
-    return NodeCommand(argv=tuple(argv), requires="deepspeed")
+    return NodeCommand(argv=tuple(argv))

@@ -14,4 +14,4 @@ from corral.launchers.base import NodeCommand, NodeContext, program_argv
 def plan(ctx: NodeContext) -> NodeCommand:
     argv = [ctx.python, *ctx.launcher_args, *program_argv(ctx)]
     env = {"WORLD_SIZE": str(ctx.world_size)}
-    return NodeCommand(argv=tuple(argv), env=env, pipe_rank=ctx.first_rank, requires="lightning")
+    return NodeCommand(argv=tuple(argv), env=env, pipe_rank=ctx.first_rank)

@@ -23,4 +23,4 @@ def plan(ctx: NodeContext) -> NodeCommand:
         *ctx.launcher_args,
     ]
     argv += program_argv(ctx)
-    return NodeCommand(argv=tuple(argv), requires="torch")
+    return NodeCommand(argv=tuple(argv))
