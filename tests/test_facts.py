@@ -133,7 +133,7 @@ def test_interface_kind(name: str, link_type: str, info_kind: str, bridge: bool,
 
 def test_listen_and_connect_classify_open_and_closed_ports() -> None:
     opened = node_links.listen(port=0, seconds=10)
-    closed = node_links._free_port()
+    closed = node_links.free_port()
     try:
         out = node_links.connect([{"address": "127.0.0.1", "port": opened["port"]},
                                   {"address": "127.0.0.1", "port": closed}], wait=2)
@@ -152,7 +152,7 @@ def test_builtin_sender_measures_what_the_sink_received() -> None:
 
 
 def test_sender_reports_a_refused_port() -> None:
-    got = node_links.send("127.0.0.1", node_links._free_port(), seconds=0.2, omit=0)
+    got = node_links.send("127.0.0.1", node_links.free_port(), seconds=0.2, omit=0)
     assert got["bps"] is None and got["error"] == "refused"
 
 
@@ -170,7 +170,7 @@ def test_ssh_failures_are_classified(stderr: str, kind: str) -> None:
 
 
 def test_ssh_check_to_a_closed_port_is_refused() -> None:
-    port = node_links._free_port()
+    port = node_links.free_port()
     out = node_links.ssh_check([{"name": "127.0.0.1", "port": port, "user": None}], connect_timeout=3)
     assert out[0]["result"] == "refused", out
 
