@@ -45,6 +45,7 @@ big one, put the checkpoint on shared storage and let every rank read it.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -339,4 +340,9 @@ if step >= total_steps and math.isnan(first_loss):
 else:
     print0(f"done | step {step} | first loss {first_loss:.4f} | final loss {last_loss:.4f}")
 if ddp:
+    # The DDP wrapper holds the process group: release it first, so the group's gloo
+    # threads are joined now, not torn down with the interpreter (which can abort with
+    # "terminate called without an active exception").
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()

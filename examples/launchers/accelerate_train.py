@@ -77,6 +77,9 @@ def main() -> None:
 
     final = accelerator.reduce(loss.detach(), reduction="mean").item()
     accelerator.print(f"first loss {first:.4f} | final loss {final:.4f}")
+    # Drop the prepared (DDP-wrapped) objects before the process group goes: they hold
+    # it, and its gloo threads would otherwise die with the interpreter (an abort).
+    model, optimizer, loader = accelerator.free_memory(model, optimizer, loader)
     accelerator.end_training()  # also destroys the process group
 
 

@@ -30,6 +30,7 @@ CPUAdam) is needed and DS_BUILD_OPS=0 installs work.
 """
 
 import argparse
+import gc
 import os
 
 import deepspeed
@@ -79,6 +80,10 @@ def main() -> None:
     final = average(loss)
     if rank == 0:
         print(f"first loss {first:.4f} | final loss {final:.4f}", flush=True)
+    # The engine holds the process group: release it first, so the group's threads
+    # are joined now rather than torn down with the interpreter.
+    del model_engine
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 

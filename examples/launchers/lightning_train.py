@@ -21,6 +21,7 @@ and lets torchrun own the processes instead (devices must then equal
 """
 
 import argparse
+import gc
 
 import lightning as L
 import torch
@@ -87,8 +88,11 @@ def main() -> None:
     final = trainer.callback_metrics["train_loss"]  # the last epoch's mean, synced over ranks
     if trainer.is_global_zero:
         print(f"first loss {first.item():.4f} | final loss {final.item():.4f}", flush=True)
-    # Lightning closes NCCL groups at exit but leaves gloo ones open; a gloo thread alive at
-    # interpreter exit can abort with "terminate called without an active exception" (seen once).
+    # Lightning closes NCCL groups at exit but leaves gloo ones open, and its DDP-wrapped
+    # model keeps the group alive: a gloo thread still running at interpreter exit can
+    # abort it ("terminate called without an active exception").  Release, then destroy.
+    del trainer, model
+    gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -12,6 +12,7 @@ MASTER_PORT); init_process_group("env://") reads them.
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -77,6 +78,11 @@ def main() -> None:
     final = average(loss)
     if rank == 0:
         print(f"first loss {first:.4f} | final loss {final:.4f}", flush=True)
+    # Let go of the DDP model first: it holds the process group, whose gloo threads
+    # would otherwise live until interpreter exit and can abort it there
+    # ("terminate called without an active exception").
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 
