@@ -65,6 +65,9 @@ def test_lines_carry_their_rank_and_never_merge(tmp_path: Path) -> None:
         m = re.fullmatch(r"\[r(\d)\] rank (\d) line (\d+) x{300}", ln)
         assert m, f"merged or unprefixed line: {ln[:120]!r}"
         assert m.group(1) == m.group(2), f"line of rank {m.group(2)} labelled r{m.group(1)}"
+    # torchrun is started ahead (prewarmed) yet runs exactly as `python -m` would:
+    # runpy has nothing to warn about ("found in sys.modules ...").
+    assert "RuntimeWarning" not in res.stdout + res.stderr, res.stdout[-2000:]
     # A carriage-return progress bar does not flood stdout when it is not a tty.
     progress = [ln for ln in res.stdout.splitlines() if "progress" in ln]
     assert len(progress) <= 4, progress

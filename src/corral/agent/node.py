@@ -47,6 +47,9 @@ PROTOCOL = 1
 
 #: A module imported ahead of its job (see ``Agent.op_prewarm``).  Reads one
 #: JSON line {args, cwd, env}; an empty line (the head gave up) just exits.
+#: The module itself is dropped from sys.modules again before it runs as
+#: ``__main__`` (its imports stay warm): that is the state ``python -m`` leaves,
+#: and runpy warns ("found in sys.modules ... unpredictable behaviour") otherwise.
 PREWARM = (
     "import json, os, runpy, sys\n"
     "import %(module)s\n"
@@ -55,6 +58,9 @@ PREWARM = (
     "fd = os.open(os.devnull, os.O_RDONLY); os.dup2(fd, 0); os.close(fd)\n"
     "os.chdir(job['cwd']); os.environ.clear(); os.environ.update(job['env'])\n"
     "sys.argv = ['%(module)s'] + job['args']\n"
+    "parent, _, leaf = '%(module)s'.rpartition('.')\n"
+    "del sys.modules['%(module)s']\n"
+    "if parent and hasattr(sys.modules[parent], leaf): delattr(sys.modules[parent], leaf)\n"
     "runpy.run_module('%(module)s', run_name='__main__', alter_sys=True)\n"
 )
 
