@@ -30,7 +30,7 @@ from typing_extensions import Self
 
 from corral.cli import cli
 from corral.model import Host
-from corral.sshsetup import hostkeys, nodeside, plan
+from corral.sshsetup import hostkeys, nodeside, plan, steps
 from corral.sshsetup.askpass import PasswordBroker, is_password_prompt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +116,38 @@ def test_a_key_shared_by_two_cluster_ids_survives_the_first_teardown(node_home: 
     ]
     nodeside.teardown("b")
     assert not (node_home / ".ssh").exists()
+
+
+def _verdict(known_hosts: Path) -> hostkeys.HostKeys:
+    target = hostkeys.Target(
+        host=Host(name="n1"), hostname="10.0.0.1", port=22, user="u", key_name="n1",
+        known_hosts=(str(known_hosts),), global_known_hosts=(), hash_known_hosts=False,
+    )
+    return hostkeys.HostKeys(target=target, status="new", keys=(("ssh-ed25519", "AAAAC3Nz"),))
+
+
+def test_head_known_hosts_created_by_setup_is_deleted_by_teardown(tmp_path: Path) -> None:
+    kh = tmp_path / "dot-ssh" / "known_hosts"
+    verdicts = {"n1": _verdict(kh)}
+    steps.head_known_hosts(verdicts, "c1", dry_run=False)
+    assert "n1 ssh-ed25519 AAAAC3Nz" in kh.read_text()
+    steps.head_known_hosts(verdicts, "c1", dry_run=False)  # a second setup keeps the mark
+    changes = steps.head_known_hosts(verdicts, "c1", dry_run=False, remove=True)
+    assert not kh.exists(), kh.read_text()
+    assert changes and "deleted" in changes[0]
+
+
+def test_head_known_hosts_the_user_had_keeps_its_lines(tmp_path: Path) -> None:
+    kh = tmp_path / "known_hosts"
+    kh.write_text("other ssh-ed25519 AAAAmine\n")
+    verdicts = {"n1": _verdict(kh)}
+    steps.head_known_hosts(verdicts, "c1", dry_run=False)
+    steps.head_known_hosts(verdicts, "c1", dry_run=False, remove=True)
+    assert kh.read_text() == "other ssh-ed25519 AAAAmine\n"
+    kh.write_text("")  # an empty file the user had stays (empty) too
+    steps.head_known_hosts(verdicts, "c1", dry_run=False)
+    steps.head_known_hosts(verdicts, "c1", dry_run=False, remove=True)
+    assert kh.exists() and kh.read_text() == ""
 
 
 def test_an_existing_key_is_used_and_never_deleted(node_home: Path) -> None:

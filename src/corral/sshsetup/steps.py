@@ -9,6 +9,7 @@ tests answer); ``SetupOptions`` is what the user asked for.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,10 +218,19 @@ def head_identity(
 # the head's known_hosts
 
 
+#: First line of corral's block in a head known_hosts file that setup created:
+#: teardown then removes the file instead of leaving an empty one behind.
+CREATED_NOTE = "# this file was created by corral ssh setup"
+
+
 def head_known_hosts(
     verdicts: Mapping[str, HostKeys], cid: str, *, dry_run: bool, remove: bool = False
 ) -> list[str]:
-    """Add newly trusted keys to (or, ``remove``, drop) corral's block in the head's known_hosts."""
+    """Add newly trusted keys to (or, ``remove``, drop) corral's block in the head's known_hosts.
+
+    A file that did not exist before setup is marked as corral's (a comment in
+    the block), so that teardown deletes it rather than leave an empty file.
+    """
     by_file: dict[str, list[str]] = {}
     for v in verdicts.values():
         if not v.target.known_hosts:
@@ -238,17 +248,25 @@ def head_known_hosts(
         if remove:
             if old is None:
                 continue
-            changes.append(f"{path}: removed corral's block ({len(old)} host key line(s))")
+            keys = [ln for ln in old if not ln.startswith("#")]
+            rest = nodeside.strip_block(text, cid)
+            if CREATED_NOTE in old and not rest.strip():
+                changes.append(f"{path}: deleted (corral created it; {len(keys)} host key line(s))")
+                if not dry_run:
+                    Path(path).unlink(missing_ok=True)
+                continue
+            changes.append(f"{path}: removed corral's block ({len(keys)} host key line(s))")
             if not dry_run:
-                nodeside.write(path, nodeside.strip_block(text, cid), 0o600)
+                nodeside.write(path, rest, 0o600)
             continue
         if not new_lines:
             continue
         changes.append(f"{path}: trusted {len(new_lines)} new host key line(s)")
         if dry_run:
             continue
+        created = [CREATED_NOTE] if old is None and not os.path.exists(path) else []
         Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        text, _ = nodeside.set_block(text, cid, (old or []) + new_lines)
+        text, _ = nodeside.set_block(text, cid, created + (old or []) + new_lines)
         nodeside.write(path, text, 0o600)
     return changes
 
