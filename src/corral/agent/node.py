@@ -53,6 +53,7 @@ PROTOCOL = 1
 PREWARM = (
     "import json, os, runpy, sys\n"
     "import %(module)s\n"
+    "%(extra)s\n"
     "job = json.loads(sys.stdin.readline() or 'null')\n"
     "if job is None: raise SystemExit(0)\n"
     "fd = os.open(os.devnull, os.O_RDONLY); os.dup2(fd, 0); os.close(fd)\n"
@@ -63,6 +64,39 @@ PREWARM = (
     "if parent and hasattr(sys.modules[parent], leaf): delattr(sys.modules[parent], leaf)\n"
     "runpy.run_module('%(module)s', run_name='__main__', alter_sys=True)\n"
 )
+
+#: Run in a prewarmed torchrun before its job.  torchrun's exit barrier lives in
+#: the TCP store of node rank 0's torchrun, which may pass the barrier and exit
+#: (closing the store) before the other nodes have read the reply: they log
+#: "Error waiting on exit barrier ... Connection reset by peer" after a
+#: successful run (pytorch/pytorch#69520).  Here every agent acknowledges in
+#: the store once it is past the barrier, and node rank 0 (the store's host
+#: under the static rendezvous corral uses) waits up to 5 s for every
+#: acknowledgement before it exits.  Anything unexpected leaves torchrun as is.
+TORCHRUN_EXIT_ACK = """
+def _corral_exit_ack():
+    try:
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+        orig = SimpleElasticAgent._exit_barrier
+    except Exception:
+        return
+    import time
+    def _exit_barrier(self, *args, **kwargs):
+        result = orig(self, *args, **kwargs)
+        try:
+            group = self._worker_group
+            store, nodes = self._store, int(group.group_world_size)
+            store.add("corral_exit_ack", 1)
+            if int(group.group_rank) == 0:
+                deadline = time.monotonic() + 5.0
+                while store.add("corral_exit_ack", 0) < nodes and time.monotonic() < deadline:
+                    time.sleep(0.02)
+        except Exception:
+            pass
+        return result
+    SimpleElasticAgent._exit_barrier = _exit_barrier
+_corral_exit_ack()
+"""
 
 #: How often the agent says it is alive, and how long it tolerates a silent head.
 HEARTBEAT_S = 1.0
@@ -192,7 +226,10 @@ class Agent:
             return
         try:
             self.prewarmed = subprocess.Popen(
-                [msg["python"], "-c", PREWARM % {"module": msg["module"]}],
+                [msg["python"], "-c", PREWARM % {
+                    "module": msg["module"],
+                    "extra": TORCHRUN_EXIT_ACK if msg["module"] == "torch.distributed.run" else "",
+                }],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, close_fds=True,
             )
