@@ -61,11 +61,21 @@ def listen(port=0, seconds=60.0) -> dict:
     except OSError as e:
         s.close()
         return {"port": int(port), "error": e.strerror or str(e)}
+    bound = _serve("tcp", s, seconds, lambda conn: conn.close())
+    return {"port": bound, "error": None}
+
+
+def _serve(kind: str, s: socket.socket, seconds: float, on_conn) -> int:
+    """Accept on listening socket ``s`` in a thread until stopped or ``seconds`` pass.
+
+    The server is registered under (kind, port) so that unlisten/sink_stop
+    can stop it; ``on_conn`` gets each accepted connection.  Returns the port.
+    """
     s.settimeout(0.2)
-    bound = s.getsockname()[1]
+    port = s.getsockname()[1]
     stop = threading.Event()
     with _lock:
-        _servers[("tcp", bound)] = (stop, s)
+        _servers[(kind, port)] = (stop, s)
 
     def serve() -> None:
         deadline = time.monotonic() + float(seconds)
@@ -74,11 +84,11 @@ def listen(port=0, seconds=60.0) -> dict:
                 conn, _ = s.accept()
             except (TimeoutError, OSError):
                 continue
-            conn.close()
+            on_conn(conn)
         s.close()
 
     threading.Thread(target=serve, daemon=True).start()
-    return {"port": bound, "error": None}
+    return port
 
 
 def unlisten(port) -> bool:
@@ -215,24 +225,11 @@ def sink_start(omit=0.5, seconds=600.0) -> dict:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("0.0.0.0", 0))
     s.listen(16)
-    s.settimeout(0.2)
-    port = s.getsockname()[1]
-    stop = threading.Event()
-    with _lock:
-        _servers[("sink", port)] = (stop, s)
 
-    def serve() -> None:
-        deadline = time.monotonic() + float(seconds)
-        while not stop.is_set() and time.monotonic() < deadline:
-            try:
-                conn, _ = s.accept()
-            except (TimeoutError, OSError):
-                continue
-            threading.Thread(target=_drain, args=(conn, float(omit)), daemon=True).start()
-        s.close()
+    def drain(conn: socket.socket) -> None:
+        threading.Thread(target=_drain, args=(conn, float(omit)), daemon=True).start()
 
-    threading.Thread(target=serve, daemon=True).start()
-    return {"port": port}
+    return {"port": _serve("sink", s, seconds, drain)}
 
 
 def _drain(conn, omit) -> None:
