@@ -9,7 +9,9 @@ the head:
 
 1. **Launch**: seconds from the command to every rank in user code (the
    first line of the script), and to the command's clean exit.
-   - corral:    ``corral run -c <sandbox>/corral.toml probe.py``
+   - corral:    ``corral run -c <sandbox>/corral.toml probe.py`` (preloaded
+     ranks, the default), and the same with ``--fresh-ranks`` (every rank a
+     new interpreter, as plain torchrun starts them)
    - DeepSpeed: ``deepspeed --hostfile <sandbox>/hostfile --launcher pdsh``
      (its pdsh runner, the way DeepSpeed users launch multi-node)
    - pdsh + torchrun: ``pdsh -R ssh -w <nodes> torchrun --rdzv-backend c10d ...``
@@ -60,6 +62,8 @@ def commands(sb: Sandbox, script: Path, out: Path, port: int) -> dict[str, list[
                 f"--rdzv-id bench{port} {script} {out}")
     return {
         "corral": [str(BIN / "corral"), "run", "-c", str(sb.cluster_file), str(script), str(out)],
+        "corral-fresh": [str(BIN / "corral"), "run", "-c", str(sb.cluster_file), "--fresh-ranks",
+                         str(script), str(out)],
         "deepspeed": [str(BIN / "deepspeed"), "--hostfile", str(sb.hostfile), "--launcher", "pdsh",
                       "--no_ssh_check", "--master_addr", sb.addresses[first], "--master_port", str(port),
                       str(script), str(out)],
@@ -137,7 +141,7 @@ def main() -> None:
     sb.up(args.nodes, with_keys=True, slots=2)
     try:
         port = 29611
-        results: dict[str, list[dict]] = {"corral": [], "deepspeed": [], "pdsh+torchrun": []}
+        results: dict[str, list[dict]] = {"corral": [], "corral-fresh": [], "deepspeed": [], "pdsh+torchrun": []}
         for _ in range(args.repeat):
             for name in results:
                 port += 1
@@ -156,6 +160,8 @@ def main() -> None:
         if med["corral"] and med["deepspeed"]:
             ratio = med["corral"] / med["deepspeed"]
             print(f"  ratio corral / deepspeed = {ratio:.2f}  (goal <= 0.60: {'met' if ratio <= 0.6 else 'MISSED'})")
+        if med["corral-fresh"] and med["deepspeed"]:
+            print(f"  ratio corral --fresh-ranks / deepspeed = {med['corral-fresh'] / med['deepspeed']:.2f}")
         if not args.skip_partition:
             print(f"\nPartition of {sb.nodes[2]} during all-reduce (cap {args.partition_cap:.0f}s):")
             for name in ("corral", "deepspeed"):

@@ -70,6 +70,9 @@ class RunSpec:
     workdir: str | None = None
     master_port: int | None = None
     launcher_args: tuple[str, ...] = ()
+    #: Fork torchrun's ranks from an interpreter that has imported torch
+    #: (docs/run.md, "Preloaded ranks"); torchrun only.
+    preload: bool = True
     run_id: str = field(default_factory=new_run_id)
 
     def __post_init__(self) -> None:

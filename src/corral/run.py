@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from corral.agent.bundle import hook_source
+from corral.agent.bundle import hook_source, preload_source
 from corral.agent.session import AgentPool, AgentSession
 from corral.control import collect_stacks, control_path, serve
 from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED
@@ -239,8 +239,9 @@ class Runner:
             if self.spec.launcher == "torchrun":
                 # torchrun spends most of its start-up importing torch: let every
                 # node do that now, while preflight and the rendezvous check run.
-                await asyncio.gather(*(s.send(op="prewarm", python=s.host.python,
-                                              module="torch.distributed.run") for s in pool.sessions))
+                preload = preload_source() if self.spec.preload else None
+                await asyncio.gather(*(s.send(op="prewarm", python=s.host.python, module="torch.distributed.run",
+                                              preload_source=preload) for s in pool.sessions))
             probes = await preflight(pool, self.cluster, self.spec, self.head_cwd)
             port = self.spec.master_port or probes[pool.sessions[0].name].get("port")
             master = await choose_master(pool, probes, int(port))
@@ -297,6 +298,7 @@ class Runner:
                 "hook_source": hook,
                 "tag": f"{plan.run_id}-{number}",
                 "keep_tmp": self.options.keep_node_tmp,
+                "preload": self.spec.preload and self.spec.launcher == "torchrun",
             }
             await pool[node.host.name].send(op="start", spec=spec)
 

@@ -19,6 +19,7 @@ NODE_MODULES = {
     "corral_agent_links": "links.py",
     "corral_agent_proctree": "proctree.py",
     "corral_agent_relay": "relay.py",
+    "corral_agent_preload": "preload.py",
     "corral_agent_node": "node.py",
 }
 MAIN = "corral_agent_node"
@@ -50,6 +51,12 @@ BOOTSTRAP = (
 def hook_source() -> str:
     """The rank hook (sitecustomize) the agent installs for the workload."""
     return resources.files("corral.agent").joinpath("hook/sitecustomize.py").read_text()
+
+
+@lru_cache(maxsize=1)
+def preload_source() -> str:
+    """Preloaded ranks (agent/preload.py), run inside the prewarmed torchrun."""
+    return resources.files("corral.agent").joinpath("preload.py").read_text()
 
 
 @lru_cache(maxsize=1)

@@ -37,32 +37,72 @@ import threading
 import time
 
 try:  # on a node, modules are installed under their wire names
+    from corral_agent_preload import env_mismatch
     from corral_agent_proctree import become_subreaper, kill_tree, reap_orphans
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
+    from corral.agent.preload import env_mismatch
     from corral.agent.proctree import become_subreaper, kill_tree, reap_orphans
     from corral.agent.relay import Channel, RankTailer, Relay, pump_pipe
 
 PROTOCOL = 1
 
 #: A module imported ahead of its job (see ``Agent.op_prewarm``).  Reads one
-#: JSON line {args, cwd, env}; an empty line (the head gave up) just exits.
+#: JSON line {args, cwd, env, preload}; an empty line (the head gave up) just
+#: exits.  The objects of the import are frozen out of the garbage collector
+#: (they live as long as the process; its exit skips collecting them, about
+#: half a second of CPU with torch loaded).  With ``preload`` the module's
+#: process forks the zygote its ranks are forked from (``preload.py``); in a
+#: rank, ``_corral_rank`` runs the rank's script, and nothing of the module.
 #: The module itself is dropped from sys.modules again before it runs as
 #: ``__main__`` (its imports stay warm): that is the state ``python -m`` leaves,
 #: and runpy warns ("found in sys.modules ... unpredictable behaviour") otherwise.
 PREWARM = (
     "import json, os, runpy, sys\n"
+    "_corral_start_env = dict(os.environ)\n"
     "import %(module)s\n"
     "%(extra)s\n"
     "job = json.loads(sys.stdin.readline() or 'null')\n"
     "if job is None: raise SystemExit(0)\n"
     "fd = os.open(os.devnull, os.O_RDONLY); os.dup2(fd, 0); os.close(fd)\n"
     "os.chdir(job['cwd']); os.environ.clear(); os.environ.update(job['env'])\n"
-    "sys.argv = ['%(module)s'] + job['args']\n"
-    "parent, _, leaf = '%(module)s'.rpartition('.')\n"
-    "del sys.modules['%(module)s']\n"
-    "if parent and hasattr(sys.modules[parent], leaf): delattr(sys.modules[parent], leaf)\n"
-    "runpy.run_module('%(module)s', run_name='__main__', alter_sys=True)\n"
+    "%(fixups)s\n"
+    "import gc; gc.freeze()\n"
+    "_corral_rank = None\n"
+    "%(preload)s\n"
+    "if _corral_rank is not None:\n"
+    "    _corral_rank()\n"
+    "else:\n"
+    "    sys.argv = ['%(module)s'] + job['args']\n"
+    "    parent, _, leaf = '%(module)s'.rpartition('.')\n"
+    "    del sys.modules['%(module)s']\n"
+    "    if parent and hasattr(sys.modules[parent], leaf): delattr(sys.modules[parent], leaf)\n"
+    "    runpy.run_module('%(module)s', run_name='__main__', alter_sys=True)\n"
+)
+
+#: Sets ``_corral_rank`` in PREWARM when the job asks for preloaded ranks.
+PRELOAD = (
+    "if job.get('preload'):\n"
+    "    _corral_pl = {'__name__': 'corral_preload'}\n"
+    "    exec(%s, _corral_pl)\n"
+    "    _corral_rank = _corral_pl['start'](_corral_start_env)\n"
+)
+
+#: What a prewarmed process must share with its job's environment: it was
+#: started before the job's variables were known ...
+PREWARM_SENSITIVE = ("PYTHON", "LD_", "LANG", "LC_")
+#: ... except these start-up settings, which it applies once the job arrives.
+PREWARM_FIXED = ("PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE")
+PREWARM_FIXUPS = (
+    "if os.environ.get('PYTHONFAULTHANDLER'):\n"
+    "    import faulthandler; faulthandler.enable()\n"
+    "if os.environ.get('PYTHONDONTWRITEBYTECODE'): sys.dont_write_bytecode = True\n"
+    "if os.environ.get('PYTHONUNBUFFERED') and not _corral_start_env.get('PYTHONUNBUFFERED'):\n"
+    "    import io\n"
+    "    for _n, _fd in (('stdout', 1), ('stderr', 2)):\n"
+    "        _o = getattr(sys, _n); _o.flush()\n"
+    "        setattr(sys, _n, io.TextIOWrapper(io.open(_fd, 'wb', buffering=0, closefd=False),"
+    " encoding=_o.encoding, errors=_o.errors, write_through=True))\n"
 )
 
 #: Run in a prewarmed torchrun before its job.  torchrun's exit barrier lives in
@@ -185,7 +225,7 @@ class Agent:
         old_pp = env.get("PYTHONPATH")
         env["PYTHONPATH"] = hook_dir + (os.pathsep + old_pp if old_pp else "")
         env["CORRAL_LOG_DIR"] = log_dir
-        self.proc = self.take_prewarmed(spec, env)
+        self.proc = self.take_prewarmed(spec, env, hook_dir)
         if self.proc is None:
             try:
                 self.proc = subprocess.Popen(
@@ -224,11 +264,15 @@ class Agent:
         """
         if self.prewarmed is not None or self.proc is not None:
             return
+        torchrun = msg["module"] == "torch.distributed.run"
+        preload = msg.get("preload_source") if torchrun else None
         try:
             self.prewarmed = subprocess.Popen(
                 [msg["python"], "-c", PREWARM % {
                     "module": msg["module"],
-                    "extra": TORCHRUN_EXIT_ACK if msg["module"] == "torch.distributed.run" else "",
+                    "extra": TORCHRUN_EXIT_ACK if torchrun else "",
+                    "preload": PRELOAD % repr(preload) if preload else "",
+                    "fixups": PREWARM_FIXUPS,
                 }],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, close_fds=True,
@@ -237,18 +281,26 @@ class Agent:
         except OSError:
             self.prewarmed = None  # start() will spawn normally and report any error
 
-    def take_prewarmed(self, spec: dict, env: dict):
-        """The prewarmed process, handed its job; None to spawn normally."""
+    def take_prewarmed(self, spec: dict, env: dict, hook_dir: str):
+        """The prewarmed process, handed its job; None to spawn normally.
+
+        Not when the job's environment changes what Python decided at start-up
+        (``PYTHONPATH``, ``LD_PRELOAD``, the locale, ...): the prewarmed
+        process started before the job's variables were known.
+        """
         proc, self.prewarmed = self.prewarmed, None
         if proc is None:
             return None
         argv = list(spec["argv"])
-        if argv[:3] != self.prewarmed_argv or proc.poll() is not None:
+        if (argv[:3] != self.prewarmed_argv or proc.poll() is not None
+                or env_mismatch(dict(os.environ), env, hook_dir, skip=PREWARM_FIXED,
+                                prefixes=PREWARM_SENSITIVE)):
             if proc.poll() is None:  # prepared for another command: not needed
                 proc.kill()
                 proc.wait()
             return None
-        job = {"args": argv[3:], "cwd": spec.get("cwd") or os.getcwd(), "env": env}
+        job = {"args": argv[3:], "cwd": spec.get("cwd") or os.getcwd(), "env": env,
+               "preload": bool(spec.get("preload"))}
         try:
             proc.stdin.write((json.dumps(job) + "\n").encode())
             proc.stdin.close()

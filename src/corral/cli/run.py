@@ -57,6 +57,10 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
                    "(merged into one tree) and stop the job. See also `corral stacks`.")
 @click.option("--launcher-arg", "launcher_args", multiple=True, metavar="ARG",
               help="Extra argument for the launcher itself (e.g. --launcher-arg=--mixed_precision=bf16). Repeatable.")
+@click.option("--fresh-ranks", is_flag=True,
+              help="Start every rank as a new Python interpreter, as plain torchrun does. By default "
+                   "(torchrun) ranks are forked from one that has already imported torch, when nothing "
+                   "they start with would differ; see docs/run.md, 'Preloaded ranks'.")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where run directories go. Default: $CORRAL_RUNS_DIR or ./runs.")
 @click.option("--sync", "sync_first", is_flag=True,
@@ -79,6 +83,7 @@ def run(
     grace: float,
     hang_timeout: float | None,
     launcher_args: tuple[str, ...],
+    fresh_ranks: bool,
     runs_dir: Path | None,
     sync_first: bool,
     dry_run: bool,
@@ -114,6 +119,7 @@ def run(
         program=program, args=tuple(args), module=module, launcher=launcher,
         nproc_per_node=nproc_per_node, env=parse_env_flags(env_flags, os.environ),
         workdir=workdir, master_port=master_port, launcher_args=launcher_args,
+        preload=not fresh_ranks,
     )
     if dry_run:
         _dry_run(cluster, spec, as_json)
@@ -141,11 +147,16 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
                       master_port=port, head_env=os.environ, head_cwd=os.getcwd())
     unknown_slots = spec.nproc_per_node is None and any(h.slots is None for h in cluster.hosts)
     if as_json:
-        click.echo(json.dumps(_plan_json(plan, unknown_slots), indent=2))
+        click.echo(json.dumps(_plan_json(plan, unknown_slots, preload=spec.preload and spec.launcher == "torchrun"),
+                              indent=2))
         return
     con = ui.console()
     con.print(f"[bold]dry run[/] {spec.run_id}: {spec.launcher}, {len(plan.nodes)} node(s), "
               f"rendezvous {master}:{port or '<free port chosen at launch>'}")
+    if spec.launcher == "torchrun":
+        con.print("ranks: " + ("preloaded (forked from a torchrun that has imported torch, where nothing "
+                               "they start with would differ; docs/run.md)" if spec.preload
+                               else "fresh interpreters (--fresh-ranks)"))
     if unknown_slots:
         con.print("[yellow]note:[/] some hosts have no slots: processes per node = their GPU count, "
                   "detected at launch (shown here as 1)")
@@ -166,9 +177,10 @@ def _q(word: str) -> str:
     return shlex.quote(word)
 
 
-def _plan_json(plan: LaunchPlan, unknown_slots: bool) -> dict:
+def _plan_json(plan: LaunchPlan, unknown_slots: bool, *, preload: bool) -> dict:
     return {
-        "run_id": plan.run_id, "launcher": plan.launcher, "master_addr": plan.master_addr,
+        "run_id": plan.run_id, "launcher": plan.launcher, "preloaded_ranks": preload,
+        "master_addr": plan.master_addr,
         "master_port": plan.master_port or None, "world_size": plan.world_size,
         "processes_per_node_detected_at_launch": unknown_slots,
         "nodes": [

@@ -120,6 +120,7 @@ try:
 except Exception:
     pass
 try:
-    _corral_chain()
+    if not globals().get("_CORRAL_NO_CHAIN"):  # set when a preloaded rank runs this file
+        _corral_chain()
 except Exception:
     pass

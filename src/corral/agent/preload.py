@@ -1,0 +1,599 @@
+"""Preloaded ranks: torchrun's workers forked from a process that has imported torch.
+
+Every rank of a torchrun job is a fresh ``python -u script.py`` that spends
+its first seconds importing torch, and its last half second tearing torch's
+modules down again; eight ranks on one node do it eight times over (and on a
+shared filesystem, eight times over the network).  The prewarmed torchrun
+(``node.py``: ``PREWARM``) has imported torch already, before its job
+arrived.  With preloading on, it forks one *zygote* from that state before
+torchrun starts any thread, and torchrun's worker ``Popen`` asks the zygote
+for each rank instead of exec'ing a new interpreter.  The rank starts with
+torch imported and the import-time objects frozen out of the garbage
+collector (``gc.freeze``, the usual pre-fork recipe), so it also exits fast.
+
+The rank still is a child of torchrun (the zygote double-forks; torchrun is a
+child subreaper and adopts it), in its own session, with torchrun's
+environment, working directory, stdio, argv, ``sys.path`` and ``__main__``
+exactly as ``python -u script.py`` would set them.  What a forked rank
+cannot have the same is whatever was decided while torch was imported: the
+dynamic loader's and Python's start-up settings, locale, OpenMP/MKL thread
+settings, torch's import-time ``TORCH_*`` configuration.  So a rank is
+preloaded only when none of those differ between the zygote and the rank
+(``OMP_NUM_THREADS``, which torchrun sets itself, is re-applied), and when
+the script does not change them before importing torch (a short static
+look at its top level).  Otherwise, and when anything about the zygote is
+unexpected, torchrun starts the rank as a fresh interpreter, as it always
+does, and the reason is printed.
+
+This file is stdlib only: the head sends its source with the ``prewarm`` op,
+and it runs inside the prewarmed torchrun.  The agent also imports it (as
+``corral_agent_preload``) for ``env_mismatch``.
+"""
+
+import os
+import sys
+
+#: Environment read while Python starts or torch is imported: a difference
+#: here between the zygote and a rank means the rank would not be the same.
+SENSITIVE_PREFIXES = (
+    "PYTHON", "LD_", "LANG", "LC_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",
+    "NPY_", "TORCH", "PYTORCH", "CUDA_MODULE_LOADING",
+)
+#: ... except these, read only later (at process-group or CUDA set-up), and the
+#: ones torchrun itself sets per worker.
+INSENSITIVE_PREFIXES = (
+    "TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "TORCH_HOME",
+)
+#: Fixed up: in the rank itself (torchrun sets OMP_NUM_THREADS to 1 for several
+#: ranks per node), or in the prewarmed torchrun before the zygote is forked
+#: (node.py: PREWARM_FIXUPS), or moot (torchrun runs ranks with ``-u``).
+FIXED_UP = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE")
+#: Importing these imports torch: the script's top level is only looked at up to them.
+TORCH_IMPORTERS = frozenset((
+    "torch", "torchvision", "torchaudio", "torchtext", "transformers", "accelerate",
+    "deepspeed", "lightning", "pytorch_lightning", "timm", "diffusers", "peft", "trl",
+    "fairscale", "apex", "megatron", "torchmetrics", "xformers", "flash_attn",
+))
+
+
+def _sensitive(key):
+    return key.startswith(SENSITIVE_PREFIXES) and not key.startswith(INSENSITIVE_PREFIXES)
+
+
+def env_mismatch(base, env, hook_dir=None, skip=(), prefixes=None):
+    """The first start-up-sensitive variable that differs, or None.
+
+    ``PYTHONPATH`` may differ by corral's hook directory in front (the agent
+    adds it for the workload).  ``prefixes`` narrows what counts (default:
+    everything read at Python's start or torch's import).
+    """
+    def counts(key):
+        return _sensitive(key) and (prefixes is None or key.startswith(prefixes))
+
+    keys = {k for k in base if counts(k)} | {k for k in env if counts(k)}
+    for key in sorted(keys):
+        if key in skip:
+            continue
+        a, b = base.get(key), env.get(key)
+        if key == "PYTHONPATH" and hook_dir and b is not None:
+            parts = b.split(os.pathsep)
+            if parts and parts[0] == hook_dir:
+                rest = os.pathsep.join(parts[1:])
+                b = rest if rest else None
+        if a != b:
+            return key
+    return None
+
+
+# --------------------------------------------------------------------------
+# The script's top level, before it imports torch
+
+
+def _env_target(node):
+    """A literal key for os.environ[...], '' for anything else (dynamic)."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return ""
+
+
+def _is_env(node):
+    import ast
+
+    # os.environ / environ
+    if isinstance(node, ast.Attribute) and node.attr == "environ":
+        return True
+    return isinstance(node, ast.Name) and node.id == "environ"
+
+
+def _is_sys_attr(node, names):
+    import ast
+
+    return (isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Name)
+            and node.value.id == "sys")
+
+
+def _mutation(stmt):
+    """Why this top-level statement changes start-up state, or None."""
+    import ast
+
+    for node in ast.walk(stmt):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Subscript) and _is_env(t.value):
+                    key = _env_target(t.slice)
+                    if not key or _sensitive(key):
+                        return "sets %s before importing torch" % ("os.environ[%r]" % key if key else "os.environ")
+                if _is_sys_attr(t, ("path", "meta_path", "path_hooks")):
+                    return "changes sys.%s before importing torch" % t.attr
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if _is_env(f.value) and f.attr in ("update", "setdefault", "__setitem__"):
+                key = _env_target(node.args[0]) if node.args and f.attr != "update" else ""
+                if not key or _sensitive(key):
+                    return "sets os.environ%s before importing torch" % (
+                        "[%r]" % key if key else "." + f.attr)
+            if f.attr == "putenv" and isinstance(f.value, ast.Name) and f.value.id == "os":
+                return "calls os.putenv before importing torch"
+            if _is_sys_attr(f.value, ("path", "meta_path", "path_hooks")) and f.attr in (
+                    "insert", "append", "extend", "__setitem__"):
+                return "changes sys.%s before importing torch" % f.value.attr
+    return None
+
+
+def _imports_torch(stmt, local_names):
+    import ast
+
+    for node in ast.walk(stmt):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.ImportFrom):
+            return True  # relative import: the package may import torch
+        for name in names:
+            top = name.split(".")[0]
+            if top in TORCH_IMPORTERS or top in local_names:
+                return True
+    return False
+
+
+def script_blocker(path):
+    """Why this script's start-up would differ if torch were already imported; None if it would not.
+
+    Looks at module-level statements in order (not inside functions or
+    classes) until the first one that imports torch, a library built on it,
+    or a module next to the script.
+    """
+    import ast
+
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None  # the rank reports it, as a fresh interpreter would
+    here = os.path.dirname(os.path.abspath(path))
+    try:
+        local = {n[:-3] if n.endswith(".py") else n for n in os.listdir(here)}
+    except OSError:
+        local = set()
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if _imports_torch(stmt, local):
+            return None
+        why = _mutation(stmt)
+        if why:
+            return why
+    return None
+
+
+# --------------------------------------------------------------------------
+# Wire: a length-prefixed JSON message, with file descriptors on its header
+
+
+def _send(sock, obj, fds=()):
+    import json
+    import socket
+
+    body = json.dumps(obj).encode()
+    head = b"%08d" % len(body)
+    if fds:
+        socket.send_fds(sock, [head], list(fds))
+    else:
+        sock.sendall(head)
+    sock.sendall(body)
+
+
+def _recv_exact(sock, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _recv(sock):
+    """(message, fds); (None, []) at end of stream."""
+    import json
+    import socket
+
+    head, fds, _flags, _addr = socket.recv_fds(sock, 8, 8)
+    if not head:
+        return None, []
+    if len(head) < 8:
+        rest = _recv_exact(sock, 8 - len(head))
+        if rest is None:
+            return None, []
+        head += rest
+    body = _recv_exact(sock, int(head))
+    if body is None:
+        return None, []
+    return json.loads(body), list(fds)
+
+
+# --------------------------------------------------------------------------
+# The rank, in the forked child
+
+
+def _set_title(argv):
+    """Make ps show ``python -u script.py ...`` (the argv area, as setproctitle does)."""
+    import ctypes
+
+    with open("/proc/self/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    start, end = int(fields[45]), int(fields[46])
+    room = end - start
+    text = b"\0".join(a.encode(errors="replace") for a in argv)[: room - 1]
+    ctypes.memmove(start, text + b"\0" * (room - len(text)), room)
+
+
+def _trim_excepthook(previous):
+    """Drop the zygote's own frames (``<string>``) from the top of a traceback."""
+
+    def hook(etype, value, tb):
+        while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
+            tb = tb.tb_next
+        if value is not None:
+            try:
+                value.__traceback__ = tb  # what the default hook prints from
+            except Exception:
+                pass
+        previous(etype, value, tb)
+
+    return hook
+
+
+def _unbuffered_stdio():
+    """What ``python -u`` sets up: write-through text over unbuffered files."""
+    import io
+
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        try:
+            old.flush()
+        except Exception:
+            pass
+        stream = io.TextIOWrapper(
+            io.open(fd, "wb", buffering=0, closefd=False),
+            encoding=getattr(old, "encoding", None) or "utf-8",
+            errors=getattr(old, "errors", None) or ("backslashreplace" if fd == 2 else "strict"),
+            line_buffering=False, write_through=True,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, "__%s__" % name, stream)
+
+
+def _reseed():
+    """State a fresh interpreter would not share with its siblings."""
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        try:
+            np_random.seed()
+        except Exception:
+            pass
+    mp_process = sys.modules.get("multiprocessing.process")
+    if mp_process is not None:
+        try:
+            mp_process.current_process().authkey = os.urandom(32)
+        except Exception:
+            pass
+
+
+def _wait_adopted(middle):
+    """Until torchrun has adopted this rank (its first parent exits at once)."""
+    import time
+
+    deadline = time.monotonic() + 2.0
+    while os.getppid() == middle and time.monotonic() < deadline:
+        time.sleep(0.0005)
+
+
+def _become_rank(msg, fds, start_env):
+    """Turn this forked child into the rank; return the function that runs it."""
+    import signal
+    import types
+
+    if msg.get("new_session"):
+        os.setsid()
+    given = dict(zip(msg["fd_targets"], fds))
+    for target in (0, 1, 2):
+        fd = given.get(target)
+        if fd is not None and fd != target:
+            os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    os.chdir(msg["cwd"])
+    env = msg["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    argv = msg["argv"]  # [python, -u, script, args...] or [python, -u, -m, module, args...]
+    try:
+        _set_title(argv)
+    except Exception:
+        pass
+    try:
+        sys.orig_argv = list(argv)
+    except Exception:
+        pass
+    hook_dir = msg.get("hook_dir")
+    tail = [p for p in sys.path[1:] if p != hook_dir]
+    front = [hook_dir] if hook_dir else []
+    _unbuffered_stdio()
+    _reseed()
+    threads = env.get("OMP_NUM_THREADS")
+    if threads != start_env.get("OMP_NUM_THREADS"):
+        try:
+            n = int((threads or "").split(",")[0])
+        except ValueError:
+            n = 0
+        torch = sys.modules.get("torch")
+        if n > 0 and torch is not None:
+            torch.set_num_threads(n)
+    sys.excepthook = _trim_excepthook(sys.excepthook)
+    if hook_dir:
+        hook_file = os.path.join(hook_dir, "sitecustomize.py")
+        try:
+            with open(hook_file) as f:
+                code = compile(f.read(), hook_file, "exec")
+            # The environment's own sitecustomize already ran in the zygote.
+            exec(code, {"__name__": "_corral_rank_hook", "__file__": hook_file, "_CORRAL_NO_CHAIN": True})
+        except Exception:
+            pass
+
+    if argv[2] == "-m":
+        module, args = argv[3], argv[4:]
+        sys.argv = [argv[2]] + args  # runpy replaces "-m" with the module's file
+        sys.path[:] = [os.getcwd()] + front + tail
+
+        def run_module():
+            import runpy
+
+            runpy._run_module_as_main(module, alter_argv=True)
+
+        return run_module
+
+    script, args = argv[2], argv[3:]
+    sys.argv = [script] + args
+    sys.path[:] = [os.path.dirname(os.path.realpath(script))] + front + tail
+
+    def run_script():
+        from importlib.machinery import SourceFileLoader
+
+        path = os.path.abspath(script)
+        main = types.ModuleType("__main__")
+        main.__file__ = path
+        main.__loader__ = SourceFileLoader("__main__", path)
+        main.__spec__ = None
+        main.__package__ = None
+        main.__builtins__ = sys.modules["builtins"]
+        sys.modules["__main__"] = main
+        with open(path, "rb") as f:
+            source = f.read()
+        exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
+
+    return run_script
+
+
+# --------------------------------------------------------------------------
+# The zygote
+
+
+def _zygote(sock, start_env):
+    """Fork ranks on request; return (in a rank only) the function that runs it."""
+    import ctypes
+    import signal
+
+    try:  # if torchrun dies, so does its zygote
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    try:
+        _set_title([sys.executable, "(corral: torchrun's rank zygote, torch preloaded)"])
+    except Exception:
+        pass
+    while True:
+        try:
+            msg, fds = _recv(sock)
+        except OSError:
+            msg, fds = None, []
+        if msg is None:
+            os._exit(0)
+        r, w = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            os.close(r)
+            me = os.getpid()
+            rank = os.fork()
+            if rank == 0:
+                os.close(w)
+                sock.close()
+                _wait_adopted(me)
+                return _become_rank(msg, fds, start_env)
+            os.write(w, b"%d" % rank)
+            os._exit(0)
+        os.close(w)
+        for fd in fds:
+            os.close(fd)
+        data = b""
+        while True:
+            chunk = os.read(r, 64)
+            if not chunk:
+                break
+            data += chunk
+        os.close(r)
+        os.waitpid(middle, 0)  # the rank is torchrun's child from here on (subreaper)
+        _send(sock, {"pid": int(data)} if data else {"error": "fork failed"})
+
+
+class Preloader:
+    """torchrun's side: asks the zygote for ranks."""
+
+    def __init__(self, sock, zygote_pid, start_env, hook_dir):
+        self.sock = sock
+        self.zygote_pid = zygote_pid
+        self.start_env = start_env
+        self.hook_dir = hook_dir
+        self.broken = None
+        self.noted = set()
+        self.scripts = {}
+
+    def note(self, text):
+        if text not in self.noted:
+            self.noted.add(text)
+            sys.stderr.write("corral: starting ranks as fresh interpreters: %s\n" % text)
+            sys.stderr.flush()
+
+    def why_not(self, args, env):
+        """None if this worker can be forked from the zygote, else why not."""
+        if self.broken:
+            return self.broken
+        if len(args) < 3 or args[0] != sys.executable or args[1] != "-u":
+            return "torchrun starts %r, not python -u SCRIPT" % (args[:2],)
+        if args[2] == "-m":
+            if len(args) < 4:
+                return "no module after -m"
+        elif args[2].startswith("-"):
+            return "python option %s" % args[2]
+        elif not os.path.isfile(args[2]):
+            return "%s is not a file" % args[2]
+        key = env_mismatch(self.start_env, env, self.hook_dir, skip=FIXED_UP)
+        if key:
+            return "%s differs from the preloaded interpreter's" % key
+        if args[2] != "-m":
+            path = os.path.abspath(args[2])
+            if path not in self.scripts:
+                self.scripts[path] = script_blocker(path)
+            if self.scripts[path]:
+                return "%s %s" % (args[2], self.scripts[path])
+        return None
+
+    def spawn(self, args, env, cwd, fds, new_session):
+        """The rank's pid; raises OSError when the zygote cannot deliver."""
+        targets = [t for t, fd in zip((0, 1, 2), fds) if fd is not None]
+        msg = {"argv": list(args), "env": dict(env), "cwd": cwd or os.getcwd(),
+               "fd_targets": targets, "new_session": bool(new_session), "hook_dir": self.hook_dir}
+        _send(self.sock, msg, [fd for fd in fds if fd is not None])
+        reply, _ = _recv(self.sock)
+        if not reply or "pid" not in reply:
+            raise OSError("the zygote did not answer (%s)" % ((reply or {}).get("error") or "closed"))
+        return int(reply["pid"])
+
+
+def _popen_class(preloader):
+    import subprocess
+
+    names = subprocess.Popen._execute_child.__code__.co_varnames
+    try:
+        session_at = names.index("start_new_session") - 1  # minus self
+    except ValueError:
+        session_at = None
+
+    class PreloadedPopen(subprocess.Popen):
+        """torchrun's worker Popen: forked from the zygote when it can be."""
+
+        def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                           startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite,
+                           errread, errwrite, *rest):
+            all_args = (args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite) + rest
+            argv = [os.fsdecode(a) for a in args] if isinstance(args, (list, tuple)) else None
+            why = "unusual arguments" if (argv is None or shell or preexec_fn or pass_fds or executable
+                                          or env is None) else preloader.why_not(argv, env)
+            if why:
+                preloader.note(why)
+                return super()._execute_child(*all_args)
+            new_session = bool(all_args[session_at]) if session_at is not None else False
+            fds = [fd if fd != -1 else None for fd in (p2cread, c2pwrite, errwrite)]
+            try:
+                pid = preloader.spawn(argv, {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()},
+                                      os.fsdecode(cwd) if cwd else None, fds, new_session)
+            except (OSError, ValueError) as e:
+                preloader.broken = "the preloaded interpreter failed: %s" % e
+                preloader.note(preloader.broken)
+                return super()._execute_child(*all_args)
+            self.pid = pid
+            self._child_created = True
+            devnull = getattr(self, "_devnull", None)
+            if p2cread != -1 and p2cwrite != -1 and p2cread != devnull:
+                os.close(p2cread)
+            if c2pwrite != -1 and c2pread != -1 and c2pwrite != devnull:
+                os.close(c2pwrite)
+            if errwrite != -1 and errread != -1 and errwrite != devnull:
+                os.close(errwrite)
+            if devnull is not None:
+                os.close(devnull)
+            self._closed_child_pipe_fds = True
+
+    return PreloadedPopen
+
+
+def start(start_env):
+    """In the prewarmed torchrun, once its job's environment is in place.
+
+    Returns None in torchrun (which then runs as usual, asking the zygote for
+    its ranks) and, in a rank forked from the zygote, the function that runs
+    the rank's script.
+    """
+    import ctypes
+    import gc
+    import socket
+    import warnings
+
+    def note(text):
+        sys.stderr.write("corral: starting ranks as fresh interpreters: %s\n" % text)
+        sys.stderr.flush()
+
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+            subprocess_handler as sh,
+        )
+    except ImportError:
+        note("this torch has no subprocess_handler to hook")
+        return None
+    if not hasattr(sh, "Popen") or not hasattr(socket, "send_fds"):
+        note("this torch or Python is too old for preloaded ranks")
+        return None
+    log_dir = os.environ.get("CORRAL_LOG_DIR")
+    hook_dir = os.path.join(os.path.dirname(log_dir), "hook") if log_dir else None
+    if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        note("cannot become a child subreaper")
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    gc.freeze()  # torch's import-time objects: never collected again, so exits are fast
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the BLAS pool thread: fork-safe
+        pid = os.fork()
+    if pid == 0:
+        ours.close()
+        return _zygote(theirs, start_env)
+    theirs.close()
+    sh.Popen = _popen_class(Preloader(ours, pid, start_env, hook_dir))
+    return None

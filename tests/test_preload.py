@@ -1,0 +1,228 @@
+"""Preloaded ranks (agent/preload.py): a forked rank must start as a fresh one would.
+
+The end-to-end tests run the same probe script twice on this machine, once
+preloaded (the default) and once with ``--fresh-ranks``, and compare what
+each rank saw of its own start: argv, ``__file__``, ``sys.path[0]``, its
+parent, session, stdio, thread settings, exit codes and tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from corral.agent.preload import env_mismatch, script_blocker
+
+CORRAL = [sys.executable, "-m", "corral"]
+
+
+def corral(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(CORRAL + args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def write(path: Path, body: str) -> Path:
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+# -- what counts as a difference ------------------------------------------
+
+
+def test_env_mismatch_names_start_up_variables_only() -> None:
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "4", "HOME": "/root"}
+    assert env_mismatch(base, dict(base, RANK="3", MASTER_ADDR="x", NCCL_DEBUG="INFO")) is None
+    assert env_mismatch(base, dict(base, TORCHELASTIC_RUN_ID="r", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")) is None
+    assert env_mismatch(base, dict(base, TORCH_LOGS="+dynamo")) == "TORCH_LOGS"
+    assert env_mismatch(base, dict(base, LD_PRELOAD="/x.so")) == "LD_PRELOAD"
+    assert env_mismatch(base, dict(base, PYTHONHASHSEED="0")) == "PYTHONHASHSEED"
+    assert env_mismatch(base, dict(base, OMP_NUM_THREADS="1")) == "OMP_NUM_THREADS"
+    assert env_mismatch(base, dict(base, OMP_NUM_THREADS="1"), skip=("OMP_NUM_THREADS",)) is None
+    gone = dict(base)
+    del gone["OMP_NUM_THREADS"]
+    assert env_mismatch(base, gone) == "OMP_NUM_THREADS"
+
+
+def test_env_mismatch_allows_corral_hook_in_front_of_pythonpath() -> None:
+    assert env_mismatch({}, {"PYTHONPATH": "/tmp/hook"}, hook_dir="/tmp/hook") is None
+    assert env_mismatch({"PYTHONPATH": "/a"}, {"PYTHONPATH": "/tmp/hook:/a"}, hook_dir="/tmp/hook") is None
+    assert env_mismatch({"PYTHONPATH": "/a"}, {"PYTHONPATH": "/tmp/hook:/b"}, hook_dir="/tmp/hook") == "PYTHONPATH"
+    assert env_mismatch({}, {"PYTHONPATH": "/tmp/hook"}, hook_dir=None) == "PYTHONPATH"
+    assert env_mismatch({"LANG": "C"}, {"LANG": "C.UTF-8"}, prefixes=("PYTHON",)) is None
+
+
+@pytest.mark.parametrize("body, why", [
+    ("import os\nos.environ['OMP_NUM_THREADS'] = '4'\nimport torch\n", "OMP_NUM_THREADS"),
+    ("import os\nos.environ.setdefault('MKL_NUM_THREADS', '4')\nimport torch\n", "MKL_NUM_THREADS"),
+    ("import os\nos.environ.update(X='1')\nfrom torch import nn\n", "os.environ.update"),
+    ("import os\nk = 'A'\nos.environ[k] = '1'\nimport transformers\n", "os.environ"),
+    ("import sys\nsys.path.insert(0, '/opt/torch-fork')\nimport torch\n", "sys.path"),
+    ("import os\nos.putenv('TORCH_LOGS', 'x')\nimport torch\n", "putenv"),
+    ("import os\nif True:\n    os.environ['TORCH_LOGS'] = 'x'\nimport torch\n", "TORCH_LOGS"),
+])
+def test_script_blocker_finds_start_up_changes_before_torch(tmp_path: Path, body: str, why: str) -> None:
+    reason = script_blocker(str(write(tmp_path / "s.py", body)))
+    assert reason is not None and why in reason
+
+
+@pytest.mark.parametrize("body", [
+    "import torch\nimport os\nos.environ['OMP_NUM_THREADS'] = '4'\n",             # after torch
+    "import os\nos.environ['CUDA_VISIBLE_DEVICES'] = '0'\nimport torch\n",          # read at CUDA init
+    "import os\nos.environ['NCCL_DEBUG'] = 'INFO'\nimport torch\n",                 # read at PG init
+    "import os\ndef main():\n    os.environ['OMP_NUM_THREADS'] = '4'\nimport torch\n",  # not top level
+    "import os\nimport helper\nos.environ['OMP_NUM_THREADS'] = '4'\n",             # local module first
+    "this is not python\n",                                                           # the rank reports it
+])
+def test_script_blocker_lets_harmless_scripts_through(tmp_path: Path, body: str) -> None:
+    (tmp_path / "helper.py").write_text("import torch\n")
+    assert script_blocker(str(write(tmp_path / "s.py", body))) is None
+
+
+# -- end to end: preloaded and fresh ranks see the same start --------------
+
+PROBE = """
+    import io, json, os, sys
+    import torch
+    import torch.distributed as dist
+
+    facts = {
+        "argv": sys.argv,
+        "file": __file__,
+        "name": __name__,
+        "main_file": sys.modules["__main__"].__file__,
+        "path0": sys.path[0],
+        "cwd": os.getcwd(),
+        "parent_is_torchrun": b"torch.distributed.run" in open(f"/proc/{os.getppid()}/cmdline", "rb").read(),
+        "session_leader": os.getsid(0) == os.getpid(),
+        "cmdline": open("/proc/self/cmdline", "rb").read().split(b"\\0")[1:3] == [b"-u", sys.argv[0].encode()],
+        "threads": torch.get_num_threads(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "user_env": os.environ.get("PROBE_VALUE"),
+        "stdout_raw": isinstance(sys.stdout.buffer, io.FileIO),
+        "stdin_empty": sys.stdin.read() == "",
+        "rank_env": (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]),
+        "preloaded": "torch.distributed.run" in sys.modules,
+    }
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    facts["sum"] = t.item()
+    dist.destroy_process_group()
+    print("FACTS " + json.dumps(facts, sort_keys=True))
+    if os.environ["RANK"] == "1":
+        raise SystemExit(int(sys.argv[1]))
+"""
+
+
+def facts_of(out: str) -> dict[str, dict]:
+    found = {}
+    for line in out.splitlines():
+        tag, _, rest = line.partition(" FACTS ")
+        if rest:
+            found[tag.strip()] = json.loads(rest)
+    return found
+
+
+def test_preloaded_ranks_start_like_fresh_ones(tmp_path: Path) -> None:
+    sub = tmp_path / "code"
+    sub.mkdir()
+    write(sub / "probe.py", PROBE)
+    runs = {}
+    for mode in ("preloaded", "fresh"):
+        extra = ["--fresh-ranks"] if mode == "fresh" else []
+        res = corral(["run", "-n", "2", "-e", "PROBE_VALUE=42", *extra, "code/probe.py", "0"], tmp_path)
+        assert res.returncode == 0, res.stdout + res.stderr
+        runs[mode] = facts_of(res.stdout)
+        assert set(runs[mode]) == {"[r0]", "[r1]"}, res.stdout
+    for rank in ("[r0]", "[r1]"):
+        pre, fresh = runs["preloaded"][rank], runs["fresh"][rank]
+        assert pre.pop("preloaded") is True and fresh.pop("preloaded") is False
+        assert pre == fresh
+        assert fresh["parent_is_torchrun"] and fresh["session_leader"] and fresh["stdout_raw"]
+        assert fresh["argv"] == ["code/probe.py", "0"] and fresh["user_env"] == "42" and fresh["sum"] == 2.0
+
+
+def test_preloaded_rank_exit_code_and_traceback_match_fresh(tmp_path: Path) -> None:
+    write(tmp_path / "probe.py", PROBE)
+    write(tmp_path / "boom.py", """
+        import os
+        import torch
+        def inner():
+            raise ValueError("boom on rank " + os.environ["RANK"])
+        if os.environ["RANK"] == "1":
+            inner()
+    """)
+    for mode in ([], ["--fresh-ranks"]):
+        res = corral(["run", "-n", "2", *mode, "probe.py", "7"], tmp_path)
+        assert res.returncode == 7, res.stdout + res.stderr
+        res = corral(["run", "-n", "2", *mode, "boom.py"], tmp_path)
+        assert res.returncode == 1
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[r1]")]
+        tb = [ln[5:] for ln in lines]
+        start = tb.index("Traceback (most recent call last):")
+        # Exactly the script's frames, as a fresh interpreter prints them.
+        assert [ln.strip() for ln in tb[start + 1:] if ln.strip().startswith("File")] == [
+            f'File "{tmp_path / "boom.py"}", line 7, in <module>',
+            f'File "{tmp_path / "boom.py"}", line 5, in inner',
+        ], res.stdout
+        assert tb[-1] == "ValueError: boom on rank 1"
+
+
+def test_script_that_sets_threads_before_torch_gets_fresh_ranks(tmp_path: Path) -> None:
+    write(tmp_path / "first.py", """
+        import os, sys
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+        print("preloaded", "torch.distributed.run" in sys.modules)
+    """)
+    res = corral(["run", "-n", "2", "first.py"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "starting ranks as fresh interpreters: first.py sets os.environ['OMP_NUM_THREADS']" in res.stdout
+    assert res.stdout.count("preloaded False") == 2
+
+
+def test_module_ranks_are_preloaded_too(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    write(pkg / "__main__.py", """
+        import os, sys
+        import torch
+        print("mod", sys.argv[1:], __name__, __spec__.name, sys.path[0] == os.getcwd(),
+              "torch.distributed.run" in sys.modules)
+    """)
+    res = corral(["run", "-n", "2", "-m", "pkg", "a", "b"], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("mod ['a', 'b'] __main__ pkg.__main__ True True") == 2, res.stdout
+
+
+@pytest.mark.sandbox
+def test_ranks_are_preloaded_on_every_sandbox_node(sandbox) -> None:
+    """Over ssh, with the nodes' own login environment: 4 nodes x 2 ranks, all preloaded, all alike."""
+    repo = Path(__file__).resolve().parents[1]
+    work = repo / "scratch" / f"preload-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        write(work / "probe.py", PROBE)
+        runs = {}
+        for mode in ("preloaded", "fresh"):
+            extra = ["--fresh-ranks"] if mode == "fresh" else []
+            res = subprocess.run(CORRAL + ["run", "-c", str(sandbox.cluster_file), "-n", "2", *extra,
+                                           "probe.py", "0"], cwd=work, capture_output=True, text=True, timeout=240)
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert "fresh interpreters" not in res.stdout
+            runs[mode] = facts_of(res.stdout)
+            assert len(runs[mode]) == 8, res.stdout
+        for tag, pre in runs["preloaded"].items():
+            fresh = runs["fresh"][tag]
+            assert pre.pop("preloaded") is True and fresh.pop("preloaded") is False, tag
+            assert pre == fresh, tag
+            assert pre["sum"] == 8.0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
