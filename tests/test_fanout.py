@@ -38,6 +38,23 @@ def test_local_exec_and_exit_code(tmp_path: Path) -> None:
     assert row["stdout"] == "hi\n" and row["returncode"] == 3
 
 
+def test_exec_starts_without_other_commands_imports(tmp_path: Path) -> None:
+    # exec is benchmarked against pdsh: its start-up must not pay for what it
+    # does not use (TOML, ssh -G's thread pool, GPU detection, and, with
+    # --json, rich).
+    (tmp_path / "hosts").write_text("localhost\n")
+    listing = tmp_path / "modules"
+    code = ("import atexit, sys; "
+            f"atexit.register(lambda: open({str(listing)!r}, 'w').write('\\n'.join(sys.modules))); "
+            "from corral.cli import main; main(sys.argv[1:])")
+    res = subprocess.run([sys.executable, "-c", code, "exec", "--json", "-c", "hosts", "--", "true"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    loaded = set(listing.read_text().split())
+    assert not loaded & {"tomllib", "corral.inventory.tomlfile", "corral.inventory.sshconfig",
+                         "corral.inventory.local", "concurrent.futures.thread", "tempfile", "rich"}
+
+
 @pytest.mark.sandbox
 def test_exec_folds_sandbox_nodes(sandbox) -> None:
     odd = sandbox.nodes[2]

@@ -8,11 +8,14 @@ The library never prints; it returns results and raises ``CorralError``.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.markup import escape
+# rich is imported on first use, not with this module: `corral exec --json`
+# prints nothing through it, and every command starts faster.
+if TYPE_CHECKING:
+    from rich.console import Console
 
-from corral.errors import CorralError
+    from corral.errors import CorralError
 
 _out: Console | None = None
 _err: Console | None = None
@@ -22,6 +25,8 @@ def console() -> Console:
     """The stdout console (tables, reports)."""
     global _out
     if _out is None or _out.file is not sys.stdout:
+        from rich.console import Console
+
         _out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
     return _out
 
@@ -30,12 +35,16 @@ def err_console() -> Console:
     """The stderr console (errors, notices, progress)."""
     global _err
     if _err is None or _err.file is not sys.stderr:
+        from rich.console import Console
+
         _err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
     return _err
 
 
 def print_error(err: CorralError) -> None:
     """The one place a CorralError becomes text: message, then a HINT line."""
+    from rich.markup import escape
+
     con = err_console()
     label = {"user": "error", "infrastructure": "error", "workload": "failed"}.get(
         err.category, "error"
@@ -47,4 +56,6 @@ def print_error(err: CorralError) -> None:
 
 def notice(message: str) -> None:
     """A one-line informational note on stderr (never on stdout, which scripts parse)."""
+    from rich.markup import escape
+
     err_console().print(f"[dim]corral:[/] {escape(message)}")

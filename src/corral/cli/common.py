@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import click
 
 from corral import ui
-from corral.inventory import load_cluster, resolve_ssh
+from corral.inventory import load_cluster
 from corral.model import Cluster
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,7 +64,11 @@ def load_from_options(
     )
     if notice:
         ui.notice(message)
-    return resolve_ssh(found) if resolve else found
+    if not resolve:
+        return found
+    from corral.inventory.sshconfig import resolve_ssh  # runs `ssh -G`: not for exec
+
+    return resolve_ssh(found)
 
 
 def cluster_options(func: F) -> F:

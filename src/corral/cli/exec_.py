@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
-from rich.markup import escape
 
 from corral import ui
 from corral.asyncutil import run_interruptible
@@ -55,12 +53,16 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
                                                on_line=live if no_fold and not as_json else None))
     code = max((r.returncode for r in results), default=0)
     if as_json:
+        import json
+
         click.echo(json.dumps([
             {"host": r.host, "returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr,
              "error": r.error.message if r.error else None, "hint": r.error.hint if r.error else None}
             for r in results
         ], indent=2))
         sys.exit(code)
+    from rich.markup import escape
+
     con = ui.console()
     err = ui.err_console()
     if not no_fold:

@@ -9,19 +9,49 @@ says which, so a run never silently lands on the wrong machines.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from corral.errors import UsageError
 from corral.hostrange import fold
 from corral.inventory._common import display_path, read_text
-from corral.inventory.hostfile import parse_hostfile, parse_hosts_arg, read_hostfile
-from corral.inventory.local import count_gpus, local_cluster
-from corral.inventory.slurm import in_slurm_allocation, read_slurm
-from corral.inventory.sshconfig import resolve_ssh, ssh_g_argv
-from corral.inventory.tomlfile import read_corral_toml
 from corral.model import Cluster
+
+if TYPE_CHECKING:
+    from corral.inventory.hostfile import parse_hostfile, parse_hosts_arg, read_hostfile
+    from corral.inventory.local import count_gpus, local_cluster
+    from corral.inventory.slurm import read_slurm
+    from corral.inventory.sshconfig import resolve_ssh, ssh_g_argv
+    from corral.inventory.tomlfile import read_corral_toml
+
+# The readers are imported when first used, not with this package: `corral
+# exec -c hostfile` needs neither tomllib, nor ssh -G's thread pool, nor
+# nvidia-smi detection (PEP 562 module __getattr__ keeps the names importable).
+_LAZY = {
+    "parse_hostfile": "hostfile",
+    "parse_hosts_arg": "hostfile",
+    "read_hostfile": "hostfile",
+    "count_gpus": "local",
+    "local_cluster": "local",
+    "in_slurm_allocation": "slurm",
+    "read_slurm": "slurm",
+    "resolve_ssh": "sshconfig",
+    "ssh_g_argv": "sshconfig",
+    "read_corral_toml": "tomlfile",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CLUSTER_ENV",
@@ -73,6 +103,8 @@ def load_cluster(
             hint="give the hosts one way: a list with -H, or a file with -c",
         )
     if hosts is not None:
+        from corral.inventory.hostfile import parse_hosts_arg
+
         found = parse_hosts_arg(hosts)
         return found, _notice(found, "--hosts")
     if cluster is None and environ.get(CLUSTER_ENV):
@@ -85,11 +117,17 @@ def load_cluster(
         return found, _notice(found, found.source)
     default = cwd / DEFAULT_FILE
     if default.is_file():
+        from corral.inventory.tomlfile import read_corral_toml
+
         found = read_corral_toml(default, label=display_path(default, cwd))
         return found, _notice(found, f"{found.source} (found in the current directory)")
+    from corral.inventory.slurm import in_slurm_allocation, read_slurm
+
     if in_slurm_allocation(environ):
         found = read_slurm(environ)
         return found, _notice(found, found.source)
+    from corral.inventory.local import local_cluster
+
     found = local_cluster()
     return found, "no cluster given; using " + found.source
 
@@ -98,10 +136,16 @@ def read_cluster_file(path: Path, *, cwd: Path | None = None) -> Cluster:
     """Read ``path`` as a corral.toml (``.toml``, or TOML-looking) or a hostfile."""
     label = display_path(path, cwd)
     if path.suffix == ".toml":
+        from corral.inventory.tomlfile import read_corral_toml
+
         return read_corral_toml(path, label=label)
     text = read_text(path, label=label, what="cluster file")
     if _looks_like_toml(text):
+        from corral.inventory.tomlfile import read_corral_toml
+
         return read_corral_toml(path, label=label)
+    from corral.inventory.hostfile import read_hostfile
+
     return read_hostfile(path, label=label)
 
 

@@ -8,7 +8,6 @@ whichever format it came from.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Iterable
@@ -100,6 +99,8 @@ def check_ssh_option(option: str, *, what: str, path: str | None, line: int | No
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """A hint naming the closest valid word, or listing them all."""
+    import difflib  # only on this error path
+
     choices = sorted(choices)
     close = difflib.get_close_matches(word, choices, n=1)
     if close:

@@ -16,7 +16,7 @@ import hashlib
 import os
 import re
 import shlex
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from corral.errors import HostError
@@ -32,13 +32,7 @@ _MAX_CONTROL_DIR = 36  # + "/8hex/" + 40 hex (%C) + ssh's ".XXXXXXXXXXXXXXXX" < 
 
 def control_dir() -> Path:
     """Private directory for ControlMaster sockets (created 0700)."""
-    candidates = []
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        candidates.append(Path(runtime) / "corral" / "ssh")
-    candidates.append(Path.home() / ".cache" / "corral" / "ssh")
-    candidates.append(Path(tempfile.gettempdir()) / f"corral-{os.getuid()}" / "ssh")
-    for path in candidates:
+    for path in _control_dir_candidates():
         if len(str(path)) > _MAX_CONTROL_DIR:
             continue
         try:
@@ -48,6 +42,18 @@ def control_dir() -> Path:
         except OSError:
             continue
     raise HostError("localhost", "no writable directory for ssh control sockets")
+
+
+def _control_dir_candidates() -> Iterator[Path]:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        yield Path(runtime) / "corral" / "ssh"
+    yield Path.home() / ".cache" / "corral" / "ssh"
+    # The last resort only: tempfile imports shutil (bz2, lzma...) and
+    # gettempdir() probes directories by writing files.
+    import tempfile
+
+    yield Path(tempfile.gettempdir()) / f"corral-{os.getuid()}" / "ssh"
 
 
 def _options(opts: tuple[str, ...]) -> list[str]:
