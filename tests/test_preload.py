@@ -87,9 +87,21 @@ def test_script_blocker_lets_harmless_scripts_through(tmp_path: Path, body: str)
 # -- end to end: preloaded and fresh ranks see the same start --------------
 
 PROBE = """
-    import io, json, os, sys
+    import ctypes, io, json, logging, os, signal, sys, warnings
     import torch
     import torch.distributed as dist
+
+    def blas_threads():
+        # numpy's OpenBLAS, loaded with torch: its pool size follows OMP_NUM_THREADS
+        for line in open("/proc/self/maps"):
+            parts = line.split()
+            if len(parts) >= 6 and "openblas" in parts[5].lower():
+                lib = ctypes.CDLL(parts[5])
+                for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                             "openblas_get_num_threads"):
+                    if hasattr(lib, name):
+                        return getattr(lib, name)()
+        return None
 
     facts = {
         "argv": sys.argv,
@@ -97,11 +109,23 @@ PROBE = """
         "name": __name__,
         "main_file": sys.modules["__main__"].__file__,
         "path0": sys.path[0],
+        "path": sys.path,
+        "orig_argv": getattr(sys, "orig_argv", None),
+        "environ": sorted(os.environ.items()),
+        "main_attrs": sorted(k for k in vars(sys.modules["__main__"]) if k.startswith("__")),
+        "main_meta": [repr(__spec__), repr(__package__), type(__loader__).__name__],
+        "stdio": [sys.stdout.encoding, sys.stdout.errors, sys.stderr.errors, sys.stdout.line_buffering,
+                  sys.stdout.write_through, sys.stdin.encoding],
         "cwd": os.getcwd(),
         "parent_is_torchrun": b"torch.distributed.run" in open(f"/proc/{os.getppid()}/cmdline", "rb").read(),
         "session_leader": os.getsid(0) == os.getpid(),
         "cmdline": open("/proc/self/cmdline", "rb").read().split(b"\\0")[1:3] == [b"-u", sys.argv[0].encode()],
         "threads": torch.get_num_threads(),
+        "blas_threads": blas_threads(),
+        "root_logger": [logging.getLogger().level, len(logging.getLogger().handlers)],
+        "warning_filters": len(warnings.filters),
+        "signals": [str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                                                      signal.SIGPIPE, signal.SIGUSR1, signal.SIGCHLD)],
         "omp": os.environ.get("OMP_NUM_THREADS"),
         "user_env": os.environ.get("PROBE_VALUE"),
         "stdout_raw": isinstance(sys.stdout.buffer, io.FileIO),
@@ -114,7 +138,10 @@ PROBE = """
     dist.all_reduce(t)
     facts["sum"] = t.item()
     dist.destroy_process_group()
-    print("FACTS " + json.dumps(facts, sort_keys=True))
+    # What differs from run to run, not between preloaded and fresh ranks:
+    text = json.dumps(facts, sort_keys=True).replace(os.environ["CORRAL_RUN_ID"], "<run>")
+    text = text.replace(os.environ["TORCHELASTIC_ERROR_FILE"], "<error-file>")
+    print("FACTS " + text.replace('"' + os.environ["MASTER_PORT"] + '"', '"<port>"'))
     if os.environ["RANK"] == "1":
         raise SystemExit(int(sys.argv[1]))
 """

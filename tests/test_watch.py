@@ -62,3 +62,50 @@ def test_tail_is_the_traceback() -> None:
         w.event("a", {"ev": "line", "r": 1, "s": "log", "t": line})
     w.event("a", {"ev": "rank_exit", "r": 1, "code": 1, "exc": "ValueError: v"})
     assert w.tail_for(w.root_cause())[0].endswith("Traceback (most recent call last):")
+
+
+#: torchrun 2.x's summary, as a node's launcher printed it (tests/test_preload.py run, 2026-11-23).
+TORCHRUN_SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+probe.py FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_07:35:46
+  host      : vm
+  rank      : 3 (local_rank: 1)
+  exitcode  : {code} (pid: 27831)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================"""
+
+
+def test_rank_reaped_before_the_agent_looked_is_named_from_torchruns_summary() -> None:
+    w = watch()
+    # The agent saw the rank go, but torchrun had already reaped it: no status;
+    # its peer was terminated by torchrun's teardown.
+    w.event("b", {"ev": "rank_exit", "r": 3, "code": None, "sig": None, "exc": None})
+    w.event("b", {"ev": "rank_exit", "r": 2, "code": None, "sig": 15, "exc": None})
+    for line in TORCHRUN_SUMMARY.format(code=7).splitlines():
+        w.event("b", {"ev": "line", "r": None, "t": line})
+    w.event("b", {"ev": "exit", "code": 1, "sig": None})
+    cause = w.root_cause()
+    assert (cause.host, cause.rank, cause.code, cause.exit_code) == ("b", 3, 7, 7)
+    assert cause.describe() == "rank 3 on b exited with code 7"
+
+
+def test_torchruns_summary_signal_and_no_summary() -> None:
+    w = watch()
+    for line in TORCHRUN_SUMMARY.format(code=-9).splitlines():
+        w.event("a", {"ev": "line", "r": None, "t": line})
+    w.event("a", {"ev": "exit", "code": 1, "sig": None})
+    cause = w.root_cause()
+    assert (cause.rank, cause.signal, cause.exit_code) == (3, 9, 137)
+    w = watch()
+    w.event("a", {"ev": "line", "r": None, "t": "Traceback: something else"})
+    w.event("a", {"ev": "exit", "code": 1, "sig": None})
+    assert w.root_cause().rank is None

@@ -97,6 +97,32 @@ class Failure:
         return 1
 
 
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_ROOT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _torchrun_root_cause(lines: list[str]) -> tuple[int, int] | None:
+    """(global rank, exit code; negative: signal) from torchrun's ChildFailedError summary."""
+    start = None
+    for i in range(len(lines) - 1, -1, -1):
+        if "Root Cause (first observed failure)" in lines[i]:
+            start = i
+            break
+    if start is None:
+        return None
+    rank = code = None
+    for line in lines[start + 1:start + 12]:
+        m = _ROOT_RANK.match(line)
+        if m and rank is None:
+            rank = int(m.group(1))
+        m = _ROOT_CODE.match(line)
+        if m and code is None:
+            code = int(m.group(1))
+    if rank is None or not code:
+        return None
+    return rank, code
+
+
 @dataclass
 class NodeState:
     plan: NodePlan
@@ -158,6 +184,7 @@ class JobWatch:
             elif (node.exit_code or node.exit_signal) and not self.stopping:
                 for soft in self.soft.pop(host, []):
                     self._fail(soft)
+                self._rank_from_launcher(host, node)
                 self._fail(Failure(host=host, rank=None, kind="signal" if node.exit_signal else "exit",
                                    code=node.exit_code, signal=node.exit_signal,
                                    consequential=True))  # the rank that caused it is reported separately
@@ -189,6 +216,24 @@ class JobWatch:
             consequential = bool(_PEER_FAILURE.search(tail))
         self._fail(Failure(host=host, rank=ev.get("r"), kind="signal" if sig else "exit",
                            code=code, signal=sig, exc=exc, consequential=consequential))
+
+    def _rank_from_launcher(self, host: str, node: NodeState) -> None:
+        """The failed rank as torchrun's own summary names it, when the agent saw no rank fail.
+
+        The agent reads a rank's exit status from /proc while the launcher has
+        not reaped it yet; a rank that exits (``sys.exit(7)``, no exception)
+        and is reaped at once leaves only torchrun's "Root Cause" block.
+        """
+        if any(f.host == host and f.rank is not None and not f.consequential for f in self.failures):
+            return
+        found = _torchrun_root_cause(list(node.launcher_tail))
+        if found is None:
+            return
+        rank, code = found
+        tail = "\n".join(list(self.tails[rank])[-30:])
+        self._fail(Failure(host=host, rank=rank, kind="signal" if code < 0 else "exit",
+                           code=code if code > 0 else None, signal=-code if code < 0 else None,
+                           consequential=bool(_PEER_FAILURE.search(tail))))
 
     def lose(self, host: str, reason: str) -> None:
         node = self.nodes[host]

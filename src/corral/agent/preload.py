@@ -36,7 +36,7 @@ import sys
 #: Environment read while Python starts or torch is imported: a difference
 #: here between the zygote and a rank means the rank would not be the same.
 SENSITIVE_PREFIXES = (
-    "PYTHON", "LD_", "LANG", "LC_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",
+    "PYTHON", "LD_", "LANG", "LC_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "BLIS_",
     "NPY_", "TORCH", "PYTORCH", "CUDA_MODULE_LOADING",
 )
 #: ... except these, read only later (at process-group or CUDA set-up), and the
@@ -83,6 +83,76 @@ def env_mismatch(base, env, hook_dir=None, skip=(), prefixes=None):
         if a != b:
             return key
     return None
+
+
+# --------------------------------------------------------------------------
+# Thread pools sized while torch was imported
+
+#: Setters of OpenBLAS's thread count (numpy's wheels rename the library and
+#: its symbols).
+_OPENBLAS_SETTERS = (
+    "openblas_set_num_threads", "openblas_set_num_threads64_",
+    "scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+)
+#: Other thread-pool libraries whose size a forked rank could not correct.
+_UNFIXABLE_POOLS = ("mkl_rt", "libmkl", "iomp5", "blis", "flexiblas")
+
+
+def blas_pools():
+    """([OpenBLAS setter functions], problem or None) for the libraries loaded here.
+
+    numpy's OpenBLAS sizes its thread pool from ``OMP_NUM_THREADS`` when it is
+    loaded (with torch, here in the zygote): a rank that gets another value
+    from torchrun has its pool resized through OpenBLAS's own setter.
+    """
+    import ctypes
+
+    paths = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[5].startswith("/") and parts[5] not in paths:
+                    paths.append(parts[5])
+    except OSError:
+        return [], "cannot read /proc/self/maps"
+    setters = []
+    for path in paths:
+        base = os.path.basename(path).lower()
+        if "openblas" in base:
+            lib = ctypes.CDLL(path)
+            fn = next((getattr(lib, n) for n in _OPENBLAS_SETTERS if hasattr(lib, n)), None)
+            if fn is None:
+                return [], "%s has no thread-count setter" % os.path.basename(path)
+            setters.append(fn)
+        elif any(k in base for k in _UNFIXABLE_POOLS):
+            return [], "%s sized its thread pool at import" % os.path.basename(path)
+    return setters, None
+
+
+def _omp_threads(env):
+    try:
+        n = int((env.get("OMP_NUM_THREADS") or "").split(",")[0])
+    except ValueError:
+        return 0
+    return n if n > 0 else 0
+
+
+def _fix_thread_pools(env, start_env):
+    """Give this rank the thread counts a fresh interpreter would read from its env."""
+    import ctypes
+
+    if env.get("OMP_NUM_THREADS") == start_env.get("OMP_NUM_THREADS"):
+        return
+    n = _omp_threads(env)
+    if n <= 0:
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(n)
+    if not (env.get("OPENBLAS_NUM_THREADS") or env.get("GOTO_NUM_THREADS")):
+        for fn in blas_pools()[0]:
+            fn(ctypes.c_int(n))
 
 
 # --------------------------------------------------------------------------
@@ -314,6 +384,46 @@ def _wait_adopted(middle):
         time.sleep(0.0005)
 
 
+def _ignored_signals():
+    """Signals this process ignores: an exec'd child inherits exactly these."""
+    import signal
+
+    ignored = []
+    for sig in range(1, 32):
+        try:
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                ignored.append(sig)
+        except (ValueError, OSError):
+            pass
+    return ignored
+
+
+def _exec_signals(ignored):
+    """The dispositions ``python`` starts with after torchrun exec'd it.
+
+    exec keeps ignored signals ignored and resets caught ones to default;
+    Python then ignores SIGPIPE and SIGXFSZ and, unless SIGINT is ignored,
+    turns it into KeyboardInterrupt.
+    """
+    import signal
+
+    for sig in range(1, 32):
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        if sig in (signal.SIGPIPE, getattr(signal, "SIGXFSZ", None)):
+            want = signal.SIG_IGN
+        elif sig in ignored:
+            want = signal.SIG_IGN
+        elif sig == signal.SIGINT:
+            want = signal.default_int_handler
+        else:
+            want = signal.SIG_DFL
+        try:
+            signal.signal(sig, want)
+        except (ValueError, OSError):
+            pass
+
+
 def _become_rank(msg, fds, start_env):
     """Turn this forked child into the rank; return the function that runs it."""
     import signal
@@ -330,6 +440,7 @@ def _become_rank(msg, fds, start_env):
         if fd > 2:
             os.close(fd)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    _exec_signals(set(msg.get("ignored") or ()))
     os.chdir(msg["cwd"])
     env = msg["env"]
     os.environ.clear()
@@ -348,15 +459,7 @@ def _become_rank(msg, fds, start_env):
     front = [hook_dir] if hook_dir else []
     _unbuffered_stdio()
     _reseed()
-    threads = env.get("OMP_NUM_THREADS")
-    if threads != start_env.get("OMP_NUM_THREADS"):
-        try:
-            n = int((threads or "").split(",")[0])
-        except ValueError:
-            n = 0
-        torch = sys.modules.get("torch")
-        if n > 0 and torch is not None:
-            torch.set_num_threads(n)
+    _fix_thread_pools(env, start_env)
     sys.excepthook = _trim_excepthook(sys.excepthook)
     if hook_dir:
         hook_file = os.path.join(hook_dir, "sitecustomize.py")
@@ -367,6 +470,12 @@ def _become_rank(msg, fds, start_env):
             exec(code, {"__name__": "_corral_rank_hook", "__file__": hook_file, "_CORRAL_NO_CHAIN": True})
         except Exception:
             pass
+
+    # A new __main__, as Python's start-up makes it (the zygote's holds its own code's globals).
+    main = types.ModuleType("__main__")
+    main.__annotations__ = {}
+    main.__builtins__ = sys.modules["builtins"]
+    sys.modules["__main__"] = main
 
     if argv[2] == "-m":
         module, args = argv[3], argv[4:]
@@ -388,13 +497,11 @@ def _become_rank(msg, fds, start_env):
         from importlib.machinery import SourceFileLoader
 
         path = os.path.abspath(script)
-        main = types.ModuleType("__main__")
         main.__file__ = path
+        main.__cached__ = None
         main.__loader__ = SourceFileLoader("__main__", path)
         main.__spec__ = None
         main.__package__ = None
-        main.__builtins__ = sys.modules["builtins"]
-        sys.modules["__main__"] = main
         with open(path, "rb") as f:
             source = f.read()
         exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
@@ -464,6 +571,7 @@ class Preloader:
         self.broken = None
         self.noted = set()
         self.scripts = {}
+        self.pools = None
 
     def note(self, text):
         if text not in self.noted:
@@ -487,6 +595,11 @@ class Preloader:
         key = env_mismatch(self.start_env, env, self.hook_dir, skip=FIXED_UP)
         if key:
             return "%s differs from the preloaded interpreter's" % key
+        if env.get("OMP_NUM_THREADS") != self.start_env.get("OMP_NUM_THREADS") and _omp_threads(env):
+            if self.pools is None:
+                self.pools = blas_pools()[1] or ""
+            if self.pools:
+                return "OMP_NUM_THREADS differs and " + self.pools
         if args[2] != "-m":
             path = os.path.abspath(args[2])
             if path not in self.scripts:
@@ -499,7 +612,8 @@ class Preloader:
         """The rank's pid; raises OSError when the zygote cannot deliver."""
         targets = [t for t, fd in zip((0, 1, 2), fds) if fd is not None]
         msg = {"argv": list(args), "env": dict(env), "cwd": cwd or os.getcwd(),
-               "fd_targets": targets, "new_session": bool(new_session), "hook_dir": self.hook_dir}
+               "fd_targets": targets, "new_session": bool(new_session), "hook_dir": self.hook_dir,
+               "ignored": _ignored_signals()}
         _send(self.sock, msg, [fd for fd in fds if fd is not None])
         reply, _ = _recv(self.sock)
         if not reply or "pid" not in reply:
