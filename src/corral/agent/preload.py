@@ -560,6 +560,14 @@ def _zygote(sock, start_env):
         _send(sock, {"pid": int(data)} if data else {"error": "fork failed"})
 
 
+#: A fork takes milliseconds; a zygote silent this long is stuck.
+SPAWN_TIMEOUT_S = 60.0
+
+
+class ZygoteStuck(RuntimeError):
+    """The zygote took a request and never answered: the rank may half exist."""
+
+
 class Preloader:
     """torchrun's side: asks the zygote for ranks."""
 
@@ -614,8 +622,19 @@ class Preloader:
         msg = {"argv": list(args), "env": dict(env), "cwd": cwd or os.getcwd(),
                "fd_targets": targets, "new_session": bool(new_session), "hook_dir": self.hook_dir,
                "ignored": _ignored_signals()}
+        import signal
+        import socket
+
         _send(self.sock, msg, [fd for fd in fds if fd is not None])
-        reply, _ = _recv(self.sock)
+        self.sock.settimeout(SPAWN_TIMEOUT_S)
+        try:
+            reply, _ = _recv(self.sock)
+        except socket.timeout:
+            # Not a fallback: a late rank from the zygote would join the job twice.
+            self.broken = "the preloaded interpreter did not answer"
+            os.kill(self.zygote_pid, signal.SIGKILL)
+            raise ZygoteStuck("corral: the preloaded interpreter did not start rank %s within %.0f s; "
+                              "run again with --fresh-ranks" % (env.get("RANK", "?"), SPAWN_TIMEOUT_S)) from None
         if not reply or "pid" not in reply:
             raise OSError("the zygote did not answer (%s)" % ((reply or {}).get("error") or "closed"))
         return int(reply["pid"])
