@@ -312,13 +312,34 @@ def _recv(sock):
 
 
 def _set_title(argv):
-    """Make ps show ``python -u script.py ...`` (the argv area, as setproctitle does)."""
+    """Make ps show ``python -u script.py ...`` (the argv area, as setproctitle does).
+
+    Only when the kernel's idea of that area checks out: it lies in one
+    writable mapping and holds exactly what /proc/self/cmdline shows (some
+    sandboxed kernels report zeros there).
+    """
     import ctypes
 
     with open("/proc/self/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     start, end = int(fields[45]), int(fields[46])
     room = end - start
+    if start <= 0 or room <= 1:
+        return
+    writable = False
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, _, hi = parts[0].partition("-")
+            if int(lo, 16) <= start and end <= int(hi, 16):
+                writable = parts[1].startswith("rw")
+                break
+    if not writable:
+        return
+    with open("/proc/self/cmdline", "rb") as f:
+        shown = f.read()
+    if ctypes.string_at(start, room) != shown[:room] or len(shown) != room:
+        return
     text = b"\0".join(a.encode(errors="replace") for a in argv)[: room - 1]
     ctypes.memmove(start, text + b"\0" * (room - len(text)), room)
 
