@@ -71,6 +71,26 @@ def test_script_blocker_finds_start_up_changes_before_torch(tmp_path: Path, body
     assert reason is not None and why in reason
 
 
+def test_script_blocker_follows_modules_next_to_the_script(tmp_path: Path) -> None:
+    (tmp_path / "config.py").write_text("import os\nos.environ['OMP_NUM_THREADS'] = '8'\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("import os\nimport config\n")
+    (tmp_path / "model.py").write_text("import torch\n")
+    reason = script_blocker(str(write(tmp_path / "a.py", "import config\nimport torch\n")))
+    assert reason == "config.py: sets os.environ['OMP_NUM_THREADS'] before importing torch"
+    (tmp_path / "pkg2").mkdir()
+    (tmp_path / "pkg2" / "__init__.py").write_text("import os\nos.environ.setdefault('KMP_AFFINITY', 'x')\n")
+    assert script_blocker(str(write(tmp_path / "b.py", "from pkg import x\nimport torch\n"))).startswith("config.py")
+    assert script_blocker(str(write(tmp_path / "b2.py", "import pkg2\nimport torch\n"))) == (
+        "pkg2/__init__.py: sets os.environ['KMP_AFFINITY'] before importing torch")
+    # A module next to the script that imports torch first: what comes after is harmless.
+    assert script_blocker(str(write(tmp_path / "c.py", "import model\nimport config\n"))) is None
+    # Circular local imports end.
+    (tmp_path / "loop1.py").write_text("import loop2\n")
+    (tmp_path / "loop2.py").write_text("import loop1\n")
+    assert script_blocker(str(write(tmp_path / "d.py", "import loop1\nimport torch\n"))) is None
+
+
 @pytest.mark.parametrize("body", [
     "import torch\nimport os\nos.environ['OMP_NUM_THREADS'] = '4'\n",             # after torch
     "import os\nos.environ['CUDA_VISIBLE_DEVICES'] = '0'\nimport torch\n",          # read at CUDA init

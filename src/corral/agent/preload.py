@@ -213,9 +213,11 @@ def _mutation(stmt):
     return None
 
 
-def _imports_torch(stmt, local_names):
+def _imports(stmt, here):
+    """(imports a torch library, [files of modules next to the script it imports])."""
     import ast
 
+    torch_lib, local = False, []
     for node in ast.walk(stmt):
         names = []
         if isinstance(node, ast.Import):
@@ -223,42 +225,59 @@ def _imports_torch(stmt, local_names):
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
         elif isinstance(node, ast.ImportFrom):
-            return True  # relative import: the package may import torch
+            torch_lib = True  # a relative import: the package may import anything
         for name in names:
             top = name.split(".")[0]
-            if top in TORCH_IMPORTERS or top in local_names:
-                return True
-    return False
+            if top in TORCH_IMPORTERS:
+                torch_lib = True
+            for candidate in (os.path.join(here, top + ".py"), os.path.join(here, top, "__init__.py")):
+                if os.path.isfile(candidate):
+                    local.append(candidate)
+                    break
+    return torch_lib, local
 
 
-def script_blocker(path):
-    """Why this script's start-up would differ if torch were already imported; None if it would not.
-
-    Looks at module-level statements in order (not inside functions or
-    classes) until the first one that imports torch, a library built on it,
-    or a module next to the script.
-    """
+def _scan(path, here, seen, depth):
+    """(why start-up would differ, or None; whether torch got imported) for one file."""
     import ast
 
     try:
         with open(path, "rb") as f:
             tree = ast.parse(f.read())
     except (OSError, SyntaxError, ValueError):
-        return None  # the rank reports it, as a fresh interpreter would
-    here = os.path.dirname(os.path.abspath(path))
-    try:
-        local = {n[:-3] if n.endswith(".py") else n for n in os.listdir(here)}
-    except OSError:
-        local = set()
+        return None, True  # the rank reports it, as a fresh interpreter would; stop looking
     for stmt in tree.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
-        if _imports_torch(stmt, local):
-            return None
         why = _mutation(stmt)
-        if why:
-            return why
-    return None
+        torch_lib, local = _imports(stmt, here)
+        if why:  # (in a compound statement with a torch import too: assume it came first)
+            return ("%s: %s" % (os.path.relpath(path, here), why)) if depth else why, False
+        for module in local:
+            if module in seen:
+                continue
+            seen.add(module)
+            if depth >= 3:
+                return None, True  # deep enough: assume it imports torch
+            inner, imported = _scan(module, here, seen, depth + 1)
+            if inner:
+                return inner, False
+            if imported:
+                return None, True
+        if torch_lib:
+            return None, True
+    return None, False
+
+
+def script_blocker(path):
+    """Why this script's start-up would differ if torch were already imported; None if it would not.
+
+    Looks at module-level statements in order (not inside functions or
+    classes) until the first one that imports torch or a library built on
+    it, following imports of modules next to the script (three deep).
+    """
+    path = os.path.abspath(path)
+    return _scan(path, os.path.dirname(path), {path}, 0)[0]
 
 
 # --------------------------------------------------------------------------
