@@ -16,6 +16,11 @@ Each round measures, on the same nodes:
 
 The whole command is timed (corral's Python start-up included).  Goals:
 cold <= 1.0x pdsh, warm <= 0.3x pdsh (medians).  Run as root.
+
+``--floor`` also times, cold, ``bench/workloads/exec_floor.py``: corral's own
+ssh argv for every host started at once by the least Python possible (no
+click, asyncio or rich), with corral's remote cleanup wrapper and without
+it: how far corral's start-up is from that floor, and what the wrapper costs.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--keep", action="store_true", help="leave the sandbox up")
+    ap.add_argument("--floor", action="store_true", help="also time exec_floor.py (see above)")
     args = ap.parse_args()
     sb = Sandbox(name="fanout", prefix="fo")
     sb.up(args.nodes, with_keys=True)
@@ -57,6 +63,9 @@ def main() -> None:
         pdsh_env = dict(os.environ, PDSH_SSH_ARGS_APPEND=f"-F {sb.ssh_config}")
         pdsh = ["pdsh", "-R", "ssh", "-f", "64", "-w", ",".join(sb.nodes), "hostname"]
         corral = [str(BIN / "corral"), "exec", "-c", str(sb.cluster_file), "--", "hostname"]
+        floor = Path(__file__).parent / "workloads" / "exec_floor.py"
+        floors = {mode: [sys.executable, str(floor), str(sb.cluster_file), mode] for mode in ("wrap", "plain")}
+        floor_times: dict[str, list[float]] = {"wrap": [], "plain": []}
         # Warm the page cache and sshd once, so round 1 is not special.
         timed(pdsh, pdsh_env, args.nodes)
         rows = []
@@ -74,12 +83,28 @@ def main() -> None:
                 _kill_masters(runtime)
                 shutil.rmtree(runtime, ignore_errors=True)
             rows.append((t_pdsh, t_cold, t_warm))
-            print(f"  round {i + 1}: pdsh {t_pdsh:.2f}s  corral cold {t_cold:.2f}s  corral warm {t_warm:.2f}s")
+            extra = ""
+            if args.floor:
+                for mode, argv in floors.items():
+                    runtime = Path(tempfile.mkdtemp(prefix="fo", dir="/tmp"))
+                    try:
+                        floor_times[mode].append(timed(argv, dict(os.environ, XDG_RUNTIME_DIR=str(runtime)),
+                                                       args.nodes))
+                    finally:
+                        _kill_masters(runtime)
+                        shutil.rmtree(runtime, ignore_errors=True)
+                    extra += f"  floor-{mode} {floor_times[mode][-1]:.2f}s"
+            print(f"  round {i + 1}: pdsh {t_pdsh:.2f}s  corral cold {t_cold:.2f}s  corral warm {t_warm:.2f}s{extra}")
         p, c, w = (statistics.median(col) for col in zip(*rows))
         print(f"\nFan-out to {args.nodes} nodes, `hostname` (median of {args.rounds} rounds):")
         print(f"  pdsh -R ssh   {p:.2f}s")
         print(f"  corral cold   {c:.2f}s   ratio {c / p:.2f}  (goal <= 1.00: {'met' if c / p <= 1.0 else 'MISSED'})")
         print(f"  corral warm   {w:.2f}s   ratio {w / p:.2f}  (goal <= 0.30: {'met' if w / p <= 0.3 else 'MISSED'})")
+        for mode, times in floor_times.items():
+            if times:
+                f = statistics.median(times)
+                what = "with corral's wrapper" if mode == "wrap" else "without the wrapper"
+                print(f"  floor, {what:21s} {f:.2f}s   ratio {f / p:.2f}  (cold)")
     finally:
         if not args.keep:
             sb.down()
