@@ -151,7 +151,8 @@ PROBE = """
         "stdout_raw": isinstance(sys.stdout.buffer, io.FileIO),
         "stdin_empty": sys.stdin.read() == "",
         "rank_env": (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]),
-        "preloaded": "torch.distributed.run" in sys.modules,
+        # The launcher's module is imported in the zygote, never by a fresh rank.
+        "preloaded": any(m in sys.modules for m in ("torch.distributed.run", "accelerate.commands.launch")),
     }
     dist.init_process_group("gloo")
     t = torch.ones(1)
@@ -193,6 +194,28 @@ def test_preloaded_ranks_start_like_fresh_ones(tmp_path: Path) -> None:
         assert pre == fresh
         assert fresh["parent_is_torchrun"] and fresh["session_leader"] and fresh["stdout_raw"]
         assert fresh["argv"] == ["code/probe.py", "0"] and fresh["user_env"] == "42" and fresh["sum"] == 2.0
+
+
+def test_accelerate_ranks_are_preloaded_and_start_like_fresh(tmp_path: Path) -> None:
+    """`accelerate launch` runs torchrun's agent in-process: its ranks are preloaded the same way."""
+    write(tmp_path / "probe.py", PROBE)
+    runs = {}
+    for mode in ("preloaded", "fresh"):
+        extra = ["--fresh-ranks"] if mode == "fresh" else []
+        res = corral(["run", "--launcher", "accelerate", "-n", "2", *extra, "probe.py", "0"], tmp_path)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "fresh interpreters" not in res.stdout
+        runs[mode] = facts_of(res.stdout)
+        assert set(runs[mode]) == {"[r0]", "[r1]"}, res.stdout
+    for rank in ("[r0]", "[r1]"):
+        pre, fresh = runs["preloaded"][rank], runs["fresh"][rank]
+        assert pre.pop("preloaded") is True and fresh.pop("preloaded") is False
+        # The one known difference (docs/run.md): importing accelerate's launcher
+        # adds its warning filter (UserWarning from torch.optim.lr_scheduler),
+        # which a script written for accelerate gets anyway when it imports it.
+        assert pre.pop("warning_filters") == fresh.pop("warning_filters") + 1
+        assert pre == fresh
+        assert ["ACCELERATE_USE_CPU", "1"] in fresh["environ"] and fresh["sum"] == 2.0
 
 
 def test_preloaded_rank_exit_code_and_traceback_match_fresh(tmp_path: Path) -> None:

@@ -70,8 +70,8 @@ class RunSpec:
     workdir: str | None = None
     master_port: int | None = None
     launcher_args: tuple[str, ...] = ()
-    #: Fork torchrun's ranks from an interpreter that has imported torch
-    #: (docs/run.md, "Preloaded ranks"); torchrun only.
+    #: Fork the ranks from an interpreter that has imported torch
+    #: (docs/run.md, "Preloaded ranks"); torchrun and accelerate only.
     preload: bool = True
     run_id: str = field(default_factory=new_run_id)
 

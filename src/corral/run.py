@@ -41,6 +41,10 @@ from corral.preflight import choose_master, preflight
 from corral.stacks import fold_ranks, stack_report
 from corral.watch import Failure, JobWatch, Sink
 
+#: Launchers whose per-node process is torchrun's elastic agent, and the module
+#: each node imports ahead of its job (preloaded ranks need that agent).
+PREWARMED = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.commands.launch"}
+
 log = logging.getLogger(__name__)
 
 
@@ -236,11 +240,13 @@ class Runner:
                          head_timeout=self.options.node_timeout)
         await pool.open()
         try:
-            if self.spec.launcher == "torchrun":
-                # torchrun spends most of its start-up importing torch: let every
-                # node do that now, while preflight and the rendezvous check run.
+            module = PREWARMED.get(self.spec.launcher)
+            if module is not None:
+                # torchrun (also inside `accelerate launch`) spends most of its
+                # start-up importing torch: let every node do that now, while
+                # preflight and the rendezvous check run.
                 preload = preload_source() if self.spec.preload else None
-                await asyncio.gather(*(s.send(op="prewarm", python=s.host.python, module="torch.distributed.run",
+                await asyncio.gather(*(s.send(op="prewarm", python=s.host.python, module=module,
                                               preload_source=preload) for s in pool.sessions))
             probes = await preflight(pool, self.cluster, self.spec, self.head_cwd)
             port = self.spec.master_port or probes[pool.sessions[0].name].get("port")
@@ -298,7 +304,7 @@ class Runner:
                 "hook_source": hook,
                 "tag": f"{plan.run_id}-{number}",
                 "keep_tmp": self.options.keep_node_tmp,
-                "preload": self.spec.preload and self.spec.launcher == "torchrun",
+                "preload": self.spec.preload and self.spec.launcher in PREWARMED,
             }
             await pool[node.host.name].send(op="start", spec=spec)
 

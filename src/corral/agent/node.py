@@ -264,7 +264,8 @@ class Agent:
         """
         if self.prewarmed is not None or self.proc is not None:
             return
-        torchrun = msg["module"] == "torch.distributed.run"
+        # torchrun's elastic agent runs in both (accelerate launch calls it in-process).
+        torchrun = msg["module"] in ("torch.distributed.run", "accelerate.commands.launch")
         preload = msg.get("preload_source") if torchrun else None
         try:
             self.prewarmed = subprocess.Popen(

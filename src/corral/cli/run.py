@@ -20,7 +20,7 @@ from corral.errors import UsageError
 from corral.launchers import PLANNERS
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, parse_env_flags
-from corral.run import RunOptions, RunResult, Runner
+from corral.run import PREWARMED, RunOptions, RunResult, Runner
 
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
 
@@ -59,8 +59,8 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
               help="Extra argument for the launcher itself (e.g. --launcher-arg=--mixed_precision=bf16). Repeatable.")
 @click.option("--fresh-ranks", is_flag=True,
               help="Start every rank as a new Python interpreter, as plain torchrun does. By default "
-                   "(torchrun) ranks are forked from one that has already imported torch, when nothing "
-                   "they start with would differ; see docs/run.md, 'Preloaded ranks'.")
+                   "(torchrun, accelerate) ranks are forked from one that has already imported torch, when "
+                   "nothing they start with would differ; see docs/run.md, 'Preloaded ranks'.")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where run directories go. Default: $CORRAL_RUNS_DIR or ./runs.")
 @click.option("--sync", "sync_first", is_flag=True,
@@ -147,13 +147,13 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
                       master_port=port, head_env=os.environ, head_cwd=os.getcwd())
     unknown_slots = spec.nproc_per_node is None and any(h.slots is None for h in cluster.hosts)
     if as_json:
-        click.echo(json.dumps(_plan_json(plan, unknown_slots, preload=spec.preload and spec.launcher == "torchrun"),
+        click.echo(json.dumps(_plan_json(plan, unknown_slots, preload=spec.preload and spec.launcher in PREWARMED),
                               indent=2))
         return
     con = ui.console()
     con.print(f"[bold]dry run[/] {spec.run_id}: {spec.launcher}, {len(plan.nodes)} node(s), "
               f"rendezvous {master}:{port or '<free port chosen at launch>'}")
-    if spec.launcher == "torchrun":
+    if spec.launcher in PREWARMED:
         con.print("ranks: " + ("preloaded (forked from a torchrun that has imported torch, where nothing "
                                "they start with would differ; docs/run.md)" if spec.preload
                                else "fresh interpreters (--fresh-ranks)"))
