@@ -296,3 +296,50 @@ def test_ranks_are_preloaded_on_every_sandbox_node(sandbox) -> None:
             assert pre["sum"] == 8.0
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# -- when the zygote fails ---------------------------------------------------
+
+
+def _popen_with(preloader, script: Path, env: dict[str, str]):
+    from corral.agent.preload import _popen_class
+
+    cls = _popen_class(preloader)
+    return cls([sys.executable, "-u", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+               start_new_session=True)
+
+
+def test_dead_zygote_means_fresh_ranks_with_a_line(tmp_path: Path, capfd) -> None:
+    import socket
+
+    from corral.agent.preload import Preloader
+
+    ours, theirs = socket.socketpair()
+    theirs.close()  # the zygote is gone
+    script = write(tmp_path / "hello.py", "import sys\nprint('fresh', 'torch' in sys.modules)\n")
+    env = dict(os.environ)
+    pre = Preloader(ours, zygote_pid=-1, start_env=env, hook_dir=None)
+    proc = _popen_with(pre, script, env)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.decode().strip() == "fresh False"
+    assert "starting ranks as fresh interpreters: the preloaded interpreter failed" in capfd.readouterr().err
+    ours.close()
+
+
+def test_silent_zygote_fails_the_start_instead_of_risking_a_second_rank(tmp_path: Path, monkeypatch) -> None:
+    import socket
+
+    from corral.agent import preload
+
+    monkeypatch.setattr(preload, "SPAWN_TIMEOUT_S", 0.5)
+    ours, theirs = socket.socketpair()  # a zygote that takes the request and never answers
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    script = write(tmp_path / "hello.py", "print('should not run')\n")
+    env = dict(os.environ)
+    pre = preload.Preloader(ours, zygote_pid=stuck.pid, start_env=env, hook_dir=None)
+    with pytest.raises(preload.ZygoteStuck, match="--fresh-ranks"):
+        _popen_with(pre, script, env)
+    assert stuck.wait(timeout=10) == -9  # the zygote was killed, not left to deliver late
+    assert pre.broken
+    ours.close()
+    theirs.close()
