@@ -177,20 +177,34 @@ def facts_of(out: str) -> dict[str, dict]:
     return found
 
 
+def preloaded_and_fresh(options: list[str], program: list[str], cwd: Path, ranks: int,
+                        cluster: list[str] = ()) -> tuple[dict, dict, list[str]]:
+    """Run the probe preloaded, then with --fresh-ranks: (facts, facts, both stdouts).
+
+    The ``preloaded`` fact is checked and taken out, so the rest can be compared.
+    """
+    runs, outs = {}, []
+    for extra in ([], ["--fresh-ranks"]):
+        res = subprocess.run(CORRAL + ["run", *cluster, *options, *extra, *program], cwd=cwd,
+                             capture_output=True, text=True, timeout=240)
+        assert res.returncode == 0, res.stdout + res.stderr
+        facts = facts_of(res.stdout)
+        assert len(facts) == ranks, res.stdout
+        for tag, f in facts.items():
+            assert f.pop("preloaded") is (not extra), tag
+        runs["fresh" if extra else "preloaded"] = facts
+        outs.append(res.stdout)
+    return runs["preloaded"], runs["fresh"], outs
+
+
 def test_preloaded_ranks_start_like_fresh_ones(tmp_path: Path) -> None:
     sub = tmp_path / "code"
     sub.mkdir()
     write(sub / "probe.py", PROBE)
-    runs = {}
-    for mode in ("preloaded", "fresh"):
-        extra = ["--fresh-ranks"] if mode == "fresh" else []
-        res = corral(["run", "-n", "2", "-e", "PROBE_VALUE=42", *extra, "code/probe.py", "0"], tmp_path)
-        assert res.returncode == 0, res.stdout + res.stderr
-        runs[mode] = facts_of(res.stdout)
-        assert set(runs[mode]) == {"[r0]", "[r1]"}, res.stdout
+    preloaded, fresh_runs, _ = preloaded_and_fresh(["-n", "2", "-e", "PROBE_VALUE=42"], ["code/probe.py", "0"],
+                                                   tmp_path, ranks=2)
     for rank in ("[r0]", "[r1]"):
-        pre, fresh = runs["preloaded"][rank], runs["fresh"][rank]
-        assert pre.pop("preloaded") is True and fresh.pop("preloaded") is False
+        pre, fresh = preloaded[rank], fresh_runs[rank]
         assert pre == fresh
         assert fresh["parent_is_torchrun"] and fresh["session_leader"] and fresh["stdout_raw"]
         assert fresh["argv"] == ["code/probe.py", "0"] and fresh["user_env"] == "42" and fresh["sum"] == 2.0
@@ -199,17 +213,11 @@ def test_preloaded_ranks_start_like_fresh_ones(tmp_path: Path) -> None:
 def test_accelerate_ranks_are_preloaded_and_start_like_fresh(tmp_path: Path) -> None:
     """`accelerate launch` runs torchrun's agent in-process: its ranks are preloaded the same way."""
     write(tmp_path / "probe.py", PROBE)
-    runs = {}
-    for mode in ("preloaded", "fresh"):
-        extra = ["--fresh-ranks"] if mode == "fresh" else []
-        res = corral(["run", "--launcher", "accelerate", "-n", "2", *extra, "probe.py", "0"], tmp_path)
-        assert res.returncode == 0, res.stdout + res.stderr
-        assert "fresh interpreters" not in res.stdout
-        runs[mode] = facts_of(res.stdout)
-        assert set(runs[mode]) == {"[r0]", "[r1]"}, res.stdout
+    preloaded, fresh_runs, outs = preloaded_and_fresh(["--launcher", "accelerate", "-n", "2"], ["probe.py", "0"],
+                                                      tmp_path, ranks=2)
+    assert not any("fresh interpreters" in out for out in outs)
     for rank in ("[r0]", "[r1]"):
-        pre, fresh = runs["preloaded"][rank], runs["fresh"][rank]
-        assert pre.pop("preloaded") is True and fresh.pop("preloaded") is False
+        pre, fresh = preloaded[rank], fresh_runs[rank]
         # The one known difference (docs/run.md): importing accelerate's launcher
         # adds its warning filter (UserWarning from torch.optim.lr_scheduler),
         # which a script written for accelerate gets anyway when it imports it.
@@ -280,18 +288,11 @@ def test_ranks_are_preloaded_on_every_sandbox_node(sandbox) -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         write(work / "probe.py", PROBE)
-        runs = {}
-        for mode in ("preloaded", "fresh"):
-            extra = ["--fresh-ranks"] if mode == "fresh" else []
-            res = subprocess.run(CORRAL + ["run", "-c", str(sandbox.cluster_file), "-n", "2", *extra,
-                                           "probe.py", "0"], cwd=work, capture_output=True, text=True, timeout=240)
-            assert res.returncode == 0, res.stdout + res.stderr
-            assert "fresh interpreters" not in res.stdout
-            runs[mode] = facts_of(res.stdout)
-            assert len(runs[mode]) == 8, res.stdout
-        for tag, pre in runs["preloaded"].items():
-            fresh = runs["fresh"][tag]
-            assert pre.pop("preloaded") is True and fresh.pop("preloaded") is False, tag
+        preloaded, fresh_runs, outs = preloaded_and_fresh(["-n", "2"], ["probe.py", "0"], work, ranks=8,
+                                                          cluster=["-c", str(sandbox.cluster_file)])
+        assert not any("fresh interpreters" in out for out in outs)
+        for tag, pre in preloaded.items():
+            fresh = fresh_runs[tag]
             assert pre == fresh, tag
             assert pre["sum"] == 8.0
     finally:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from corral.agent.bundle import hook_source, preload_source
+from corral.agent.bundle import hook_source, preload_modules
 from corral.agent.session import AgentPool, AgentSession
 from corral.control import collect_stacks, control_path, serve
 from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED
@@ -245,9 +245,9 @@ class Runner:
                 # torchrun (also inside `accelerate launch`) spends most of its
                 # start-up importing torch: let every node do that now, while
                 # preflight and the rendezvous check run.
-                preload = preload_source() if self.spec.preload else None
-                await asyncio.gather(*(s.send(op="prewarm", python=s.host.python, module=module,
-                                              preload_source=preload) for s in pool.sessions))
+                preload = preload_modules() if self.spec.preload else None
+                await asyncio.gather(*(s.send(op="prewarm", python=s.host.python, module=module, elastic=True,
+                                              preload_modules=preload) for s in pool.sessions))
             probes = await preflight(pool, self.cluster, self.spec, self.head_cwd)
             port = self.spec.master_port or probes[pool.sessions[0].name].get("port")
             master = await choose_master(pool, probes, int(port))

@@ -19,7 +19,7 @@ NODE_MODULES = {
     "corral_agent_links": "links.py",
     "corral_agent_proctree": "proctree.py",
     "corral_agent_relay": "relay.py",
-    "corral_agent_preload": "preload.py",
+    "corral_agent_prescan": "prescan.py",
     "corral_agent_node": "node.py",
 }
 MAIN = "corral_agent_node"
@@ -53,10 +53,15 @@ def hook_source() -> str:
     return resources.files("corral.agent").joinpath("hook/sitecustomize.py").read_text()
 
 
+#: What the prewarmed torchrun installs for preloaded ranks, in dependency order.
+PRELOAD_MODULES = {"corral_agent_prescan": "prescan.py", "corral_agent_preload": "preload.py"}
+
+
 @lru_cache(maxsize=1)
-def preload_source() -> str:
-    """Preloaded ranks (agent/preload.py), run inside the prewarmed torchrun."""
-    return resources.files("corral.agent").joinpath("preload.py").read_text()
+def preload_modules() -> tuple[tuple[str, str], ...]:
+    """(wire name, source) of preloaded ranks' modules, sent with the ``prewarm`` op."""
+    pkg = resources.files("corral.agent")
+    return tuple((name, pkg.joinpath(fname).read_text()) for name, fname in PRELOAD_MODULES.items())
 
 
 @lru_cache(maxsize=1)

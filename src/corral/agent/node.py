@@ -37,11 +37,11 @@ import threading
 import time
 
 try:  # on a node, modules are installed under their wire names
-    from corral_agent_preload import env_mismatch
+    from corral_agent_prescan import env_mismatch
     from corral_agent_proctree import become_subreaper, kill_tree, reap_orphans
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
-    from corral.agent.preload import env_mismatch
+    from corral.agent.prescan import env_mismatch
     from corral.agent.proctree import become_subreaper, kill_tree, reap_orphans
     from corral.agent.relay import Channel, RankTailer, Relay, pump_pipe
 
@@ -80,12 +80,19 @@ PREWARM = (
     "    runpy.run_module('%(module)s', run_name='__main__', alter_sys=True)\n"
 )
 
-#: Sets ``_corral_rank`` in PREWARM when the job asks for preloaded ranks.
+#: Sets ``_corral_rank`` in PREWARM when the job asks for preloaded ranks: the
+#: modules are installed as the agent's own are (bundle.py), compiled as
+#: ``<string>`` (a rank's tracebacks drop those frames), and taken out of
+#: sys.modules again once the rank or torchrun is set up.
 PRELOAD = (
     "if job.get('preload'):\n"
-    "    _corral_pl = {'__name__': 'corral_preload'}\n"
-    "    exec(%s, _corral_pl)\n"
-    "    _corral_rank = _corral_pl['start'](_corral_start_env)\n"
+    "    import types\n"
+    "    for _n, _s in %r:\n"
+    "        sys.modules[_n] = types.ModuleType(_n)\n"
+    "        exec(compile(_s, '<string>', 'exec'), sys.modules[_n].__dict__)\n"
+    "    _corral_rank = sys.modules['corral_agent_preload'].start(_corral_start_env)\n"
+    "    for _n in %r:\n"
+    "        del sys.modules[_n]\n"
 )
 
 #: What a prewarmed process must share with its job's environment: it was
@@ -264,15 +271,15 @@ class Agent:
         """
         if self.prewarmed is not None or self.proc is not None:
             return
-        # torchrun's elastic agent runs in both (accelerate launch calls it in-process).
-        torchrun = msg["module"] in ("torch.distributed.run", "accelerate.commands.launch")
-        preload = msg.get("preload_source") if torchrun else None
+        # torchrun's elastic agent (also inside `accelerate launch`): the head says.
+        elastic = bool(msg.get("elastic"))
+        preload = msg.get("preload_modules") if elastic else None
         try:
             self.prewarmed = subprocess.Popen(
                 [msg["python"], "-c", PREWARM % {
                     "module": msg["module"],
-                    "extra": TORCHRUN_EXIT_ACK if torchrun else "",
-                    "preload": PRELOAD % repr(preload) if preload else "",
+                    "extra": TORCHRUN_EXIT_ACK if elastic else "",
+                    "preload": PRELOAD % (preload, [name for name, _ in preload]) if preload else "",
                     "fixups": PREWARM_FIXUPS,
                 }],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -25,259 +25,18 @@ look at its top level).  Otherwise, and when anything about the zygote is
 unexpected, torchrun starts the rank as a fresh interpreter, as it always
 does, and the reason is printed.
 
-This file is stdlib only: the head sends its source with the ``prewarm`` op,
-and it runs inside the prewarmed torchrun.  The agent also imports it (as
-``corral_agent_preload``) for ``env_mismatch``.
+This file is stdlib only: the head sends it (with ``prescan.py``, which
+decides what may be preloaded) in the ``prewarm`` op, and it runs inside the
+prewarmed torchrun.
 """
 
 import os
 import sys
 
-#: Environment read while Python starts or torch is imported: a difference
-#: here between the zygote and a rank means the rank would not be the same.
-SENSITIVE_PREFIXES = (
-    "PYTHON", "LD_", "LANG", "LC_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "BLIS_",
-    "NPY_", "TORCH", "PYTORCH", "CUDA_MODULE_LOADING",
-)
-#: ... except these, read only later (at process-group or CUDA set-up), and the
-#: ones torchrun itself sets per worker.
-INSENSITIVE_PREFIXES = (
-    "TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "TORCH_HOME",
-)
-#: Fixed up: in the rank itself (torchrun sets OMP_NUM_THREADS to 1 for several
-#: ranks per node), or in the prewarmed torchrun before the zygote is forked
-#: (node.py: PREWARM_FIXUPS), or moot (torchrun runs ranks with ``-u``).
-FIXED_UP = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE")
-#: Importing these imports torch: the script's top level is only looked at up to them.
-TORCH_IMPORTERS = frozenset((
-    "torch", "torchvision", "torchaudio", "torchtext", "transformers", "accelerate",
-    "deepspeed", "lightning", "pytorch_lightning", "timm", "diffusers", "peft", "trl",
-    "fairscale", "apex", "megatron", "torchmetrics", "xformers", "flash_attn",
-))
-
-
-def _sensitive(key):
-    return key.startswith(SENSITIVE_PREFIXES) and not key.startswith(INSENSITIVE_PREFIXES)
-
-
-def env_mismatch(base, env, hook_dir=None, skip=(), prefixes=None):
-    """The first start-up-sensitive variable that differs, or None.
-
-    ``PYTHONPATH`` may differ by corral's hook directory in front (the agent
-    adds it for the workload).  ``prefixes`` narrows what counts (default:
-    everything read at Python's start or torch's import).
-    """
-    def counts(key):
-        return _sensitive(key) and (prefixes is None or key.startswith(prefixes))
-
-    keys = {k for k in base if counts(k)} | {k for k in env if counts(k)}
-    for key in sorted(keys):
-        if key in skip:
-            continue
-        a, b = base.get(key), env.get(key)
-        if key == "PYTHONPATH" and hook_dir and b is not None:
-            parts = b.split(os.pathsep)
-            if parts and parts[0] == hook_dir:
-                rest = os.pathsep.join(parts[1:])
-                b = rest if rest else None
-        if a != b:
-            return key
-    return None
-
-
-# --------------------------------------------------------------------------
-# Thread pools sized while torch was imported
-
-#: Setters of OpenBLAS's thread count (numpy's wheels rename the library and
-#: its symbols).
-_OPENBLAS_SETTERS = (
-    "openblas_set_num_threads", "openblas_set_num_threads64_",
-    "scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-)
-#: Other thread-pool libraries whose size a forked rank could not correct.
-_UNFIXABLE_POOLS = ("mkl_rt", "libmkl", "iomp5", "blis", "flexiblas")
-
-
-def blas_pools():
-    """([OpenBLAS setter functions], problem or None) for the libraries loaded here.
-
-    numpy's OpenBLAS sizes its thread pool from ``OMP_NUM_THREADS`` when it is
-    loaded (with torch, here in the zygote): a rank that gets another value
-    from torchrun has its pool resized through OpenBLAS's own setter.
-    """
-    import ctypes
-
-    paths = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 6 and parts[5].startswith("/") and parts[5] not in paths:
-                    paths.append(parts[5])
-    except OSError:
-        return [], "cannot read /proc/self/maps"
-    setters = []
-    for path in paths:
-        base = os.path.basename(path).lower()
-        if "openblas" in base:
-            lib = ctypes.CDLL(path)
-            fn = next((getattr(lib, n) for n in _OPENBLAS_SETTERS if hasattr(lib, n)), None)
-            if fn is None:
-                return [], "%s has no thread-count setter" % os.path.basename(path)
-            setters.append(fn)
-        elif any(k in base for k in _UNFIXABLE_POOLS):
-            return [], "%s sized its thread pool at import" % os.path.basename(path)
-    return setters, None
-
-
-def _omp_threads(env):
-    try:
-        n = int((env.get("OMP_NUM_THREADS") or "").split(",")[0])
-    except ValueError:
-        return 0
-    return n if n > 0 else 0
-
-
-def _fix_thread_pools(env, start_env):
-    """Give this rank the thread counts a fresh interpreter would read from its env."""
-    import ctypes
-
-    if env.get("OMP_NUM_THREADS") == start_env.get("OMP_NUM_THREADS"):
-        return
-    n = _omp_threads(env)
-    if n <= 0:
-        return
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(n)
-    if not (env.get("OPENBLAS_NUM_THREADS") or env.get("GOTO_NUM_THREADS")):
-        for fn in blas_pools()[0]:
-            fn(ctypes.c_int(n))
-
-
-# --------------------------------------------------------------------------
-# The script's top level, before it imports torch
-
-
-def _env_target(node):
-    """A literal key for os.environ[...], '' for anything else (dynamic)."""
-    import ast
-
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    return ""
-
-
-def _is_env(node):
-    import ast
-
-    # os.environ / environ
-    if isinstance(node, ast.Attribute) and node.attr == "environ":
-        return True
-    return isinstance(node, ast.Name) and node.id == "environ"
-
-
-def _is_sys_attr(node, names):
-    import ast
-
-    return (isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Name)
-            and node.value.id == "sys")
-
-
-def _mutation(stmt):
-    """Why this top-level statement changes start-up state, or None."""
-    import ast
-
-    for node in ast.walk(stmt):
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
-            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
-            for t in targets:
-                if isinstance(t, ast.Subscript) and _is_env(t.value):
-                    key = _env_target(t.slice)
-                    if not key or _sensitive(key):
-                        return "sets %s before importing torch" % ("os.environ[%r]" % key if key else "os.environ")
-                if _is_sys_attr(t, ("path", "meta_path", "path_hooks")):
-                    return "changes sys.%s before importing torch" % t.attr
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            f = node.func
-            if _is_env(f.value) and f.attr in ("update", "setdefault", "__setitem__"):
-                key = _env_target(node.args[0]) if node.args and f.attr != "update" else ""
-                if not key or _sensitive(key):
-                    return "sets os.environ%s before importing torch" % (
-                        "[%r]" % key if key else "." + f.attr)
-            if f.attr == "putenv" and isinstance(f.value, ast.Name) and f.value.id == "os":
-                return "calls os.putenv before importing torch"
-            if _is_sys_attr(f.value, ("path", "meta_path", "path_hooks")) and f.attr in (
-                    "insert", "append", "extend", "__setitem__"):
-                return "changes sys.%s before importing torch" % f.value.attr
-    return None
-
-
-def _imports(stmt, here):
-    """(imports a torch library, [files of modules next to the script it imports])."""
-    import ast
-
-    torch_lib, local = False, []
-    for node in ast.walk(stmt):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        elif isinstance(node, ast.ImportFrom):
-            torch_lib = True  # a relative import: the package may import anything
-        for name in names:
-            top = name.split(".")[0]
-            if top in TORCH_IMPORTERS:
-                torch_lib = True
-            for candidate in (os.path.join(here, top + ".py"), os.path.join(here, top, "__init__.py")):
-                if os.path.isfile(candidate):
-                    local.append(candidate)
-                    break
-    return torch_lib, local
-
-
-def _scan(path, here, seen, depth):
-    """(why start-up would differ, or None; whether torch got imported) for one file."""
-    import ast
-
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
-        return None, True  # the rank reports it, as a fresh interpreter would; stop looking
-    for stmt in tree.body:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            continue
-        why = _mutation(stmt)
-        torch_lib, local = _imports(stmt, here)
-        if why:  # (in a compound statement with a torch import too: assume it came first)
-            return ("%s: %s" % (os.path.relpath(path, here), why)) if depth else why, False
-        for module in local:
-            if module in seen:
-                continue
-            seen.add(module)
-            if depth >= 3:
-                return None, True  # deep enough: assume it imports torch
-            inner, imported = _scan(module, here, seen, depth + 1)
-            if inner:
-                return inner, False
-            if imported:
-                return None, True
-        if torch_lib:
-            return None, True
-    return None, False
-
-
-def script_blocker(path):
-    """Why this script's start-up would differ if torch were already imported; None if it would not.
-
-    Looks at module-level statements in order (not inside functions or
-    classes) until the first one that imports torch or a library built on
-    it, following imports of modules next to the script (three deep).
-    """
-    path = os.path.abspath(path)
-    return _scan(path, os.path.dirname(path), {path}, 0)[0]
+try:  # in the prewarmed torchrun, installed under its wire name (node.py: PRELOAD)
+    from corral_agent_prescan import FIXED_UP, blas_pools, env_mismatch, omp_threads, script_blocker
+except ImportError:  # imported as part of the corral package (tests)
+    from corral.agent.prescan import FIXED_UP, blas_pools, env_mismatch, omp_threads, script_blocker
 
 
 # --------------------------------------------------------------------------
@@ -413,6 +172,23 @@ def _reseed():
             mp_process.current_process().authkey = os.urandom(32)
         except Exception:
             pass
+
+
+def _fix_thread_pools(env, start_env):
+    """Give this rank the thread counts a fresh interpreter would read from its env."""
+    import ctypes
+
+    if env.get("OMP_NUM_THREADS") == start_env.get("OMP_NUM_THREADS"):
+        return
+    n = omp_threads(env)
+    if n <= 0:
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(n)
+    if not (env.get("OPENBLAS_NUM_THREADS") or env.get("GOTO_NUM_THREADS")):
+        for fn in blas_pools()[0]:
+            fn(ctypes.c_int(n))
 
 
 def _wait_adopted(middle):
@@ -600,6 +376,12 @@ def _zygote(sock, start_env):
         _send(sock, {"pid": int(data)} if data else {"error": "fork failed"})
 
 
+def _note(text):
+    """The one line a node prints when its ranks start as fresh interpreters."""
+    sys.stderr.write("corral: starting ranks as fresh interpreters: %s\n" % text)
+    sys.stderr.flush()
+
+
 #: A fork takes milliseconds; a zygote silent this long is stuck.
 SPAWN_TIMEOUT_S = 60.0
 
@@ -624,8 +406,7 @@ class Preloader:
     def note(self, text):
         if text not in self.noted:
             self.noted.add(text)
-            sys.stderr.write("corral: starting ranks as fresh interpreters: %s\n" % text)
-            sys.stderr.flush()
+            _note(text)
 
     def why_not(self, args, env):
         """None if this worker can be forked from the zygote, else why not."""
@@ -643,7 +424,7 @@ class Preloader:
         key = env_mismatch(self.start_env, env, self.hook_dir, skip=FIXED_UP)
         if key:
             return "%s differs from the preloaded interpreter's" % key
-        if env.get("OMP_NUM_THREADS") != self.start_env.get("OMP_NUM_THREADS") and _omp_threads(env):
+        if env.get("OMP_NUM_THREADS") != self.start_env.get("OMP_NUM_THREADS") and omp_threads(env):
             if self.pools is None:
                 self.pools = blas_pools()[1] or ""
             if self.pools:
@@ -740,10 +521,7 @@ def start(start_env):
     import socket
     import warnings
 
-    def note(text):
-        sys.stderr.write("corral: starting ranks as fresh interpreters: %s\n" % text)
-        sys.stderr.flush()
-
+    note = _note
     try:
         from torch.distributed.elastic.multiprocessing.subprocess_handler import (
             subprocess_handler as sh,
