@@ -108,3 +108,62 @@ def test_timeout_and_ctrl_c_leave_nothing_on_nodes(sandbox) -> None:
     while _count(sandbox, "sleep 42"):
         assert time.monotonic() < deadline, "commands left running after Ctrl-C"
         time.sleep(0.2)
+
+
+@pytest.mark.sandbox
+def test_sigterm_and_head_sigkill_leave_nothing_on_nodes(sandbox) -> None:
+    # SIGTERM (a scheduler, `timeout`) tears down like Ctrl-C ...
+    for sig, code, pattern in ((signal.SIGTERM, 130, "sleep 43"), (signal.SIGKILL, -9, "sleep 44")):
+        proc = subprocess.Popen(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--", pattern],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while _count(sandbox, pattern) < len(sandbox.nodes):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        proc.wait(timeout=20)
+        assert proc.returncode == code
+        # ... and a SIGKILLed head's closed pipes reach every node's wrapper.
+        deadline = time.monotonic() + 15
+        while _count(sandbox, pattern):
+            assert time.monotonic() < deadline, f"{pattern!r} left running after signal {sig}"
+            time.sleep(0.2)
+
+
+@pytest.mark.sandbox
+def test_fanout_bounds_hosts_at_once_and_streams_lines(sandbox) -> None:
+    # Each host prints when its command started and ended; with -f 2, no
+    # more than two of the four may overlap.
+    cmd = "date +%s.%N; sleep 1; date +%s.%N; printf 'no newline'; echo oops >&2"
+    res = subprocess.run(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "-f", "2", "--no-fold", "--", cmd], check=False,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    spans: dict[str, list[float]] = {}
+    for line in res.stdout.splitlines():
+        host, _, text = line.partition(": ")
+        if text == "no newline":
+            continue
+        spans.setdefault(host, []).append(float(text))
+    assert sorted(spans) == sorted(sandbox.nodes) and all(len(v) == 2 for v in spans.values())
+    for host in sandbox.nodes:
+        # an unterminated last line is still a line, and stderr is streamed too
+        assert f"{host}: no newline\n" in res.stdout and f"{host}: oops\n" in res.stderr
+    for t in [s for s, _ in spans.values()]:
+        assert sum(s <= t < e for s, e in spans.values()) <= 2
+    assert max(e for _, e in spans.values()) - min(s for s, _ in spans.values()) >= 2  # two waves
+
+
+def test_library_call_off_the_main_thread(tmp_path: Path) -> None:
+    # The library API needs no CLI and no main thread (no signal handlers then).
+    import threading
+
+    from corral.fanout import run_everywhere
+    from corral.model import Cluster, Host
+
+    cluster = Cluster(hosts=(Host(name="localhost", local=True),), source="test")
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(run_everywhere(cluster, "echo $((6*7)); exit 5")))
+    t.start()
+    t.join(30)
+    [r] = out[0]
+    assert (r.host, r.returncode, r.stdout, r.ok) == ("localhost", 5, "42\n", False)

@@ -10,20 +10,31 @@ The command runs under a tiny POSIX-sh wrapper in its own session.  When the
 head goes away (Ctrl-C, a crash, a closed connection) the wrapper sees its
 stdin close and kills the command's whole process group: no orphan is left
 behind on a node, without needing Python there.
+
+The loop is synchronous (``selectors`` over the ssh processes' pipes), not
+asyncio: ``corral exec`` is raced against pdsh, and asyncio's import, its
+per-process child-watcher thread and one event-loop round trip per spawn
+cost the head CPU that the ssh handshakes need.  Here every ssh process is
+started in one tight loop and the head sleeps in ``select`` until output
+arrives.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.transport import transport_for
-
-log = logging.getLogger(__name__)
+from corral.transport.base import Transport
 
 #: One line, no "!" and no newlines inside quotes: safe under sh, bash, zsh
 #: and csh login shells.  The command runs in its own session (setsid); a
@@ -42,6 +53,10 @@ WRAPPER = (
     "( while read -r _ <&3; do :; done; kill -s USR1 $$ ) & "
     "w=$!; wait $c; r=$?; kill $w 2>/dev/null; exit $r"
 )
+
+#: After a host's channel is closed (timeout, Ctrl-C), how long its wrapper
+#: gets (TERM, 2 s, KILL on the node) before the local ssh is killed.
+CLOSE_GRACE_S = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,70 +82,55 @@ def remote_argv(command: str) -> list[str]:
 LineCallback = Callable[[str, str, str], None]  # (host, stream, line)
 
 
-async def _one(cluster: Cluster, host: Host, command: str, timeout: float | None,
-               connect_timeout: float, on_line: LineCallback | None) -> HostResult:
-    transport = transport_for(cluster, host, connect_timeout=connect_timeout)
-    argv = transport.argv(host, remote_argv(command))
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True,
-        )
-        # No PR_SET_PDEATHSIG here (it would force the slow fork path): if corral
-        # dies, its end of this stdin pipe closes, ssh forwards the EOF and the
-        # remote wrapper stops the command all the same.
-    except FileNotFoundError as e:
-        err = HostError(host.name, f"cannot run {argv[0]!r}: {e.strerror}")
-        return HostResult(host=host.name, returncode=255, error=err)
+class _Job:
+    """One host's ssh (or local sh) process and what it has said so far."""
 
-    async def read(stream: asyncio.StreamReader, name: str, sink: list[str]) -> None:
-        async for raw in stream:
-            text = raw.decode(errors="replace")
-            sink.append(text)
-            if on_line is not None:
-                on_line(host.name, name, text.rstrip("\n"))
+    def __init__(self, host: Host, transport: Transport, proc: subprocess.Popen[bytes],
+                 timeout: float | None):
+        self.host = host
+        self.transport = transport
+        self.proc = proc
+        self.chunks: dict[str, list[bytes]] = {"out": [], "err": []}
+        self.partial: dict[str, bytes] = {"out": b"", "err": b""}
+        self.open_streams = 2
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.timed_out = False
+        #: Set once the channel is closed: kill ssh if it is still there then.
+        self.kill_at: float | None = None
 
-    out: list[str] = []
-    err: list[str] = []
-    readers = asyncio.gather(read(proc.stdout, "out", out), read(proc.stderr, "err", err))  # type: ignore[arg-type]
-    timed_out = False
-    try:
-        await asyncio.wait_for(proc.wait(), timeout)
-    except asyncio.TimeoutError:
-        timed_out = True
-        await _close(proc)
-    except asyncio.CancelledError:
-        await _close(proc)
-        raise
-    finally:
-        await asyncio.gather(readers, return_exceptions=True)
-        if proc.stdin is not None and not proc.stdin.is_closing():
-            proc.stdin.close()
-    rc = proc.returncode if proc.returncode is not None else 255
-    stdout, stderr = "".join(out), "".join(err)
-    if timed_out:
-        error = HostError(host.name, f"did not finish within {timeout:.0f}s; stopped it",
-                          hint="raise --timeout if the command is expected to take longer", kind="timeout")
-        return HostResult(host=host.name, returncode=124, stdout=stdout, stderr=stderr, error=error)
-    if rc == 255 and not host.local:
-        # ssh's own failure (the remote command's 255 is rare and reads the same).
-        return HostResult(host=host.name, returncode=rc, stdout=stdout, stderr=stderr,
-                          error=transport.failure(host, rc, stderr))
-    return HostResult(host=host.name, returncode=rc, stdout=stdout, stderr=stderr)
+    def close_channel(self) -> None:
+        """Close ssh's stdin: the remote wrapper stops the command's session."""
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + CLOSE_GRACE_S
+            if self.proc.stdin is not None and not self.proc.stdin.closed:
+                try:
+                    self.proc.stdin.close()
+                except OSError:
+                    pass
+
+    def done(self) -> bool:
+        return self.open_streams == 0 and self.proc.poll() is not None
+
+    def result(self, timeout: float | None) -> HostResult:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        rc = self.proc.returncode if self.proc.returncode is not None else 255
+        stdout = b"".join(self.chunks["out"]).decode(errors="replace")
+        stderr = b"".join(self.chunks["err"]).decode(errors="replace")
+        name = self.host.name
+        if self.timed_out:
+            error = HostError(name, f"did not finish within {timeout:.0f}s; stopped it",
+                              hint="raise --timeout if the command is expected to take longer",
+                              kind="timeout")
+            return HostResult(host=name, returncode=124, stdout=stdout, stderr=stderr, error=error)
+        if rc == 255 and not self.host.local:
+            # ssh's own failure (the remote command's 255 is rare and reads the same).
+            return HostResult(host=name, returncode=rc, stdout=stdout, stderr=stderr,
+                              error=self.transport.failure(self.host, rc, stderr))
+        return HostResult(host=name, returncode=rc, stdout=stdout, stderr=stderr)
 
 
-async def _close(proc: asyncio.subprocess.Process) -> None:
-    """Close stdin (the remote wrapper kills its group), then make sure ssh is gone."""
-    if proc.stdin is not None and not proc.stdin.is_closing():
-        proc.stdin.close()
-    try:
-        await asyncio.wait_for(proc.wait(), 5)  # TERM, 2 s, KILL on the node
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-
-
-async def run_everywhere(
+def run_everywhere(
     cluster: Cluster,
     command: str,
     *,
@@ -139,23 +139,155 @@ async def run_everywhere(
     connect_timeout: float = 10.0,
     on_line: LineCallback | None = None,
 ) -> list[HostResult]:
-    """``command`` (a shell command line) on every host; results in host order."""
-    sem = asyncio.Semaphore(max(1, fanout))
+    """``command`` (a shell command line) on every host; results in host order.
 
-    async def bounded(h: Host) -> HostResult:
-        async with sem:
-            return await _one(cluster, h, command, timeout, connect_timeout, on_line)
+    At most ``fanout`` hosts run at once.  ``on_line(host, stream, line)`` sees
+    every complete line as it arrives.  SIGINT, SIGTERM or SIGHUP (when called
+    from the main thread) close every channel, wait for the nodes to stop the
+    command (ssh is killed after ``CLOSE_GRACE_S``), then raise
+    KeyboardInterrupt: nothing is left running on any node.
+    """
+    results: dict[str, HostResult] = {}
+    pending = deque(cluster.hosts)
+    running: list[_Job] = []
+    sel = selectors.DefaultSelector()
+    with _signals_to_pipe() as wakeup:
+        if wakeup is not None:
+            sel.register(wakeup, selectors.EVENT_READ, None)
+        stopping = False
+        try:
+            while pending or running:
+                while pending and not stopping and len(running) < max(1, fanout):
+                    host = pending.popleft()
+                    job = _start(cluster, host, command, timeout, connect_timeout, results)
+                    if job is not None:
+                        running.append(job)
+                        sel.register(job.proc.stdout, selectors.EVENT_READ, (job, "out"))  # type: ignore[arg-type]
+                        sel.register(job.proc.stderr, selectors.EVENT_READ, (job, "err"))  # type: ignore[arg-type]
+                if not running:
+                    continue
+                for key, _ in sel.select(_wait(running)):
+                    if key.data is None:  # a signal arrived
+                        os.read(key.fd, 512)
+                        if not stopping:
+                            stopping = True
+                            pending.clear()
+                            for job in running:
+                                job.close_channel()
+                        continue
+                    _read(sel, key, on_line)
+                now = time.monotonic()
+                for job in list(running):
+                    if job.done():
+                        running.remove(job)
+                        results[job.host.name] = job.result(timeout)
+                        continue
+                    if job.deadline is not None and now >= job.deadline and not job.timed_out:
+                        job.timed_out = True
+                        job.close_channel()
+                    if job.kill_at is not None and now >= job.kill_at and job.proc.poll() is None:
+                        job.proc.kill()
+        finally:
+            # Only reached with jobs left on an unexpected error: never leave
+            # an ssh process (or its remote command) behind.
+            for job in running:
+                job.close_channel()
+                try:
+                    job.proc.wait(CLOSE_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    job.proc.kill()
+                    job.proc.wait()
+            sel.close()
+    if stopping:
+        raise KeyboardInterrupt
+    return [results[h.name] for h in cluster.hosts]
 
-    tasks = [asyncio.ensure_future(bounded(h)) for h in cluster.hosts]
+
+def _start(cluster: Cluster, host: Host, command: str, timeout: float | None,
+           connect_timeout: float, results: dict[str, HostResult]) -> _Job | None:
+    transport = transport_for(cluster, host, connect_timeout=connect_timeout)
+    argv = transport.argv(host, remote_argv(command))
     try:
-        return list(await asyncio.gather(*tasks))
-    except asyncio.CancelledError:
-        # Let every host's teardown finish (close its channel, reap ssh)
-        # before the caller's event loop goes away.
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+        # No PR_SET_PDEATHSIG here (it would force the slow fork path): if
+        # corral dies, its end of this stdin pipe closes, ssh forwards the EOF
+        # and the remote wrapper stops the command all the same.  A session of
+        # its own keeps the terminal's Ctrl-C away from ssh: the head decides.
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as e:
+        err = HostError(host.name, f"cannot run {argv[0]!r}: {e.strerror}")
+        results[host.name] = HostResult(host=host.name, returncode=255, error=err)
+        return None
+    return _Job(host, transport, proc, timeout)
+
+
+def _wait(running: list[_Job]) -> float | None:
+    """How long ``select`` may sleep: until the next deadline, or a short poll
+    while a process whose pipes are closed has not been reaped yet."""
+    now = time.monotonic()
+    marks = [t for job in running for t in (job.deadline if not job.timed_out else None, job.kill_at)
+             if t is not None]
+    wait = max(0.0, min(marks) - now) if marks else None
+    if any(job.open_streams == 0 for job in running):
+        wait = 0.01 if wait is None else min(wait, 0.01)
+    return wait
+
+
+def _read(sel: selectors.BaseSelector, key: selectors.SelectorKey,
+          on_line: LineCallback | None) -> None:
+    job, stream = key.data
+    data = os.read(key.fd, 65536)
+    if not data:
+        sel.unregister(key.fileobj)
+        key.fileobj.close()  # type: ignore[union-attr]
+        job.open_streams -= 1
+        if on_line is not None and job.partial[stream]:
+            on_line(job.host.name, stream, job.partial[stream].decode(errors="replace"))
+            job.partial[stream] = b""
+        return
+    job.chunks[stream].append(data)
+    if on_line is not None:
+        *lines, job.partial[stream] = (job.partial[stream] + data).split(b"\n")
+        for line in lines:
+            on_line(job.host.name, stream, line.decode(errors="replace"))
+
+
+@contextmanager
+def _signals_to_pipe() -> Iterator[int | None]:
+    """While inside, SIGINT/SIGTERM/SIGHUP wake the loop (through a pipe) instead
+    of raising wherever the head happens to be (half-way through starting a
+    process).  SIGINT is taken over even when inherited ignored (a job started
+    in the background of a script), as SIGTERM from a scheduler is: both must
+    tear the command down on the nodes.  Yields None off the main thread."""
+    try:
+        r, w = os.pipe()
+    except OSError:
+        yield None
+        return
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    saved: dict[int, object] = {}
+    try:
+        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        os.close(r)
+        os.close(w)
+        yield None
+        return
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            saved[sig] = signal.signal(sig, _ignore)
+        yield r
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        signal.set_wakeup_fd(old_fd)
+        os.close(r)
+        os.close(w)
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """The wakeup pipe carries the signal; nothing to do here."""
 
 
 def command_line(words: tuple[str, ...]) -> str:
@@ -163,4 +295,4 @@ def command_line(words: tuple[str, ...]) -> str:
     return " ".join(words)
 
 
-__all__ = ["HostResult", "run_everywhere", "command_line", "remote_argv"]
+__all__ = ["HostResult", "command_line", "remote_argv", "run_everywhere"]

@@ -55,7 +55,35 @@ def print_error(err: CorralError) -> None:
 
 
 def notice(message: str) -> None:
-    """A one-line informational note on stderr (never on stdout, which scripts parse)."""
-    from rich.markup import escape
+    """A one-line informational note on stderr (never on stdout, which scripts parse).
 
-    err_console().print(f"[dim]corral:[/] {escape(message)}")
+    Written without rich: commands print this before their real work starts
+    (`corral exec` before its ssh processes), and importing rich there costs
+    more than the line is worth."""
+    sys.stderr.write(f"{paint('corral:', 'dim', stream=sys.stderr)} {message}\n")
+    sys.stderr.flush()
+
+
+def color_enabled(stream: object) -> bool:
+    """Whether to colour ``stream``: a terminal, and neither NO_COLOR nor TERM=dumb
+    says otherwise (FORCE_COLOR forces it), the rules rich follows too."""
+    import os
+
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+_SGR = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
+
+
+def paint(text: str, *styles: str, stream: object = None) -> str:
+    """``text`` in ANSI ``styles`` (bold, dim, red, green, yellow, cyan) when
+    ``stream`` (default stdout) gets colour, else unchanged: rich-free, for the
+    few fast paths (notices, `corral exec`'s output) that must not import it."""
+    if not styles or not color_enabled(sys.stdout if stream is None else stream):
+        return text
+    return f"\x1b[{';'.join(_SGR[s] for s in styles)}m{text}\x1b[0m"

@@ -7,7 +7,6 @@ import sys
 import click
 
 from corral import ui
-from corral.asyncutil import run_interruptible
 from corral.cli.common import ClusterOptions, cluster_options
 from corral.errors import UsageError
 from corral.fanout import command_line, run_everywhere
@@ -49,8 +48,8 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
         target.write(f"{host}: {line}\n")
         target.flush()
 
-    results = run_interruptible(run_everywhere(cluster, text, timeout=timeout, fanout=fanout,
-                                               on_line=live if no_fold and not as_json else None))
+    results = run_everywhere(cluster, text, timeout=timeout, fanout=fanout,
+                             on_line=live if no_fold and not as_json else None)
     code = max((r.returncode for r in results), default=0)
     if as_json:
         import json
@@ -61,28 +60,28 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
             for r in results
         ], indent=2))
         sys.exit(code)
-    from rich.markup import escape
-
-    con = ui.console()
-    err = ui.err_console()
+    # Plain writes, not rich: importing it would add to every exec's wall time.
+    paint = ui.paint
     if not no_fold:
         for g in group_results(results):
-            rc = "" if g.returncode == 0 else f" [red](exit {g.returncode})[/]"
-            con.print(f"[bold cyan]----- {escape(g.label)} ({len(g.hosts)}){rc} -----[/]")
+            rc = "" if g.returncode == 0 else " " + paint(f"(exit {g.returncode})", "red")
+            sys.stdout.write(paint(f"----- {g.label} ({len(g.hosts)})", "bold", "cyan") + rc
+                             + paint(" -----", "bold", "cyan") + "\n")
             if g.error:
-                con.print(f"[red]{escape(g.error)}[/]")
+                sys.stdout.write(paint(g.error, "red") + "\n")
             if g.stdout:
                 sys.stdout.write(g.stdout if g.stdout.endswith("\n") else g.stdout + "\n")
-                sys.stdout.flush()
             if g.stderr:
-                con.print(escape(g.stderr.rstrip("\n")), style="dim")
+                sys.stdout.write(paint(g.stderr.rstrip("\n"), "dim") + "\n")
+            sys.stdout.flush()
     for r in results:
         if r.error is not None and r.error.hint:
-            err.print(f"[yellow]HINT[/] {escape(r.host)}: {escape(r.error.hint)}")
+            sys.stderr.write(f"{paint('HINT', 'yellow', stream=sys.stderr)} {r.host}: {r.error.hint}\n")
             break
     failed = [r.host for r in results if not r.ok]
     if failed:
         from corral.hostrange import fold
 
-        err.print(f"corral: {len(failed)} of {len(results)} host(s) failed: {escape(fold(failed))}")
+        sys.stderr.write(f"corral: {len(failed)} of {len(results)} host(s) failed: {fold(failed)}\n")
+    sys.stderr.flush()
     sys.exit(code)
