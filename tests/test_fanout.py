@@ -100,7 +100,9 @@ def test_timeout_and_ctrl_c_leave_nothing_on_nodes(sandbox) -> None:
     assert res.returncode == 124 and "did not finish within 1s" in res.stdout
     assert _count(sandbox, "sleep 41") == 0
     # Ctrl-C while every node runs a command.
-    proc = subprocess.Popen(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--", "sleep 42"],
+    # (a tree: a background grandchild and a foreground one, both must go)
+    proc = subprocess.Popen(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--",
+                                      "sleep 420 & sh -c 'sleep 42'; wait"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while _count(sandbox, "sleep 42") < len(sandbox.nodes):
@@ -172,3 +174,11 @@ def test_library_call_off_the_main_thread(tmp_path: Path) -> None:
     t.join(30)
     [r] = out[0]
     assert (r.host, r.returncode, r.stdout, r.ok) == ("localhost", 5, "42\n", False)
+
+
+def test_command_sees_none_of_the_wrappers_variables(tmp_path: Path) -> None:
+    # Like `ssh host CMD`: no positional arguments, no wrapper state, stdin empty.
+    res = subprocess.run(CORRAL + ["exec", "--json", "--", 'echo "[$#][$1][$s][$c][$w]"; cat; exit 7'],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    [row] = json.loads(res.stdout)
+    assert (row["returncode"], row["stdout"]) == (7, "[0][][][][]\n")

@@ -6,10 +6,10 @@ bounded parallelism.  Results are per host (exit code, output, or a named
 connection error) instead of an exception on the first failure, so one
 dead node never hides the other sixty-three answers.
 
-The command runs under a tiny POSIX-sh wrapper in its own session.  When the
-head goes away (Ctrl-C, a crash, a closed connection) the wrapper sees its
-stdin close and kills the command's whole process group: no orphan is left
-behind on a node, without needing Python there.
+The command runs under a tiny POSIX-sh wrapper.  When the head goes away
+(Ctrl-C, a crash, a closed connection) the wrapper sees its stdin close and
+kills the channel's whole ssh session: no orphan is left behind on a node,
+without needing Python there.
 
 The loop is synchronous (``selectors`` over the ssh processes' pipes), not
 asyncio: ``corral exec`` is raced against pdsh, and asyncio's import, its
@@ -37,19 +37,22 @@ from corral.transport import transport_for
 from corral.transport.base import Transport
 
 #: One line, no "!" and no newlines inside quotes: safe under sh, bash, zsh
-#: and csh login shells.  The command runs in its own session (setsid); a
-#: watcher reads the channel (fd 3); at EOF it signals the wrapper, which
-#: TERMs, then KILLs, that session (``pkill -s``: the session id, never a
-#: name; the shells' builtin ``kill`` cannot signal a group, and procps'
-#: ``kill -- -PGID`` misparses small ids).  Without setsid/pkill it falls
-#: back to the command's own pid.
+#: and csh login shells.  The command runs in a subshell (no exec: a node's
+#: CPU is what the handshakes of a cold fan-out wait for) with the channel's
+#: stdin closed; a watcher reads the channel (fd 3); at EOF it signals the
+#: wrapper, which TERMs, then KILLs, the ssh session it runs in (sshd gives
+#: every channel a session of its own; ``pkill -s``: the session id, never a
+#: name).  The session is used only when its leader is the wrapper or its
+#: login shell (``/proc/$$/stat``); otherwise, or without pkill, it falls
+#: back to the command's own pid.  The command sees none of the wrapper's
+#: variables or arguments.
 WRAPPER = (
-    "exec 3<&0; "
-    'if command -v setsid >/dev/null 2>&1; then setsid sh -c "$1" </dev/null & '
-    'else sh -c "$1" </dev/null & fi; '
+    "exec 3<&0; s=; read -r _ _ _ _ _ s _ </proc/$$/stat 2>/dev/null; "
+    '[ "$s" = $$ ] || [ "$s" = $PPID ] || s=; '
+    '( exec 3<&- </dev/null; unset s; eval "set --; $1" ) & '
     "c=$!; "
-    "trap 'pkill -TERM -s $c 2>/dev/null; kill -TERM $c 2>/dev/null; sleep 2; "
-    "pkill -KILL -s $c 2>/dev/null; kill -KILL $c 2>/dev/null; exit 143' USR1; "
+    "trap 'trap \"\" TERM; pkill -TERM -s \"$s\" 2>/dev/null || kill -TERM $c 2>/dev/null; sleep 2; "
+    "pkill -KILL -s \"$s\" 2>/dev/null || kill -KILL $c 2>/dev/null; exit 143' USR1; "
     "( while read -r _ <&3; do :; done; kill -s USR1 $$ ) & "
     "w=$!; wait $c; r=$?; kill $w 2>/dev/null; exit $r"
 )
