@@ -60,3 +60,21 @@ def test_parse_ranks() -> None:
     assert parse_ranks("all") is None
     with pytest.raises(ValueError):
         parse_ranks("a-b")
+
+
+def test_colour_follows_the_terminal_and_no_color_force_color_term(monkeypatch) -> None:
+    from corral import ui
+
+    for var in ("NO_COLOR", "FORCE_COLOR", "TERM"):
+        monkeypatch.delenv(var, raising=False)
+    assert ui.paint("x", "red", stream=io.StringIO()) == "x"          # not a terminal
+    assert ui.paint("x", "bold", "red", stream=TTY()) == "\x1b[31m\x1b[1mx\x1b[0m"
+    assert RunConsole(multi_host=True, out=TTY()).color
+    monkeypatch.setenv("TERM", "dumb")
+    assert ui.paint("x", "red", stream=TTY()) == "x" and not RunConsole(multi_host=True, out=TTY()).color
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    assert ui.paint("x", "dim", stream=io.StringIO()) == "\x1b[2mx\x1b[0m"
+    monkeypatch.delenv("FORCE_COLOR")
+    monkeypatch.delenv("TERM")
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert ui.paint("x", "red", stream=TTY()) == "x" and not RunConsole(multi_host=True, out=TTY()).color

@@ -13,11 +13,12 @@ interface of ``corral.watch``.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
 from typing import TextIO
+
+from corral import ui
 
 _COLORS = ["36", "32", "35", "33", "34", "96", "92", "95", "93", "94"]
 PLAIN_STATUS_EVERY_S = 15.0
@@ -56,7 +57,7 @@ class RunConsole:
         self.multi_host = multi_host
         self.status_ranks = status_ranks
         self.tty = bool(getattr(self.out, "isatty", lambda: False)())
-        self.color = self.tty and not os.environ.get("NO_COLOR") if color is None else color
+        self.color = ui.color_enabled(self.out) if color is None else color
         self._host_color: dict[str, str] = {}
         self._footer: dict[tuple[str, int | None], str] = {}
         self._footer_lines = 0

@@ -226,9 +226,13 @@ def _start(cluster: Cluster, host: Host, command: str, timeout: float | None,
 
 def _wait(running: list[_Job]) -> float | None:
     """How long ``select`` may sleep: until the next deadline, or a short poll
-    while a process whose pipes are closed has not been reaped yet."""
+    while a process whose pipes are closed has not been reaped yet.  A killed
+    ssh's mark is dropped: a local command's daemon may hold the pipes open
+    (then the loop waits for output, as ssh itself would), and must not spin."""
     now = time.monotonic()
-    marks = [t for job in running for t in (job.deadline if not job.timed_out else None, job.kill_at)
+    marks = [t for job in running
+             for t in (None if job.timed_out else job.deadline,
+                       job.kill_at if job.proc.poll() is None else None)
              if t is not None]
     wait = max(0.0, min(marks) - now) if marks else None
     if any(job.open_streams == 0 for job in running):

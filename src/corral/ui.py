@@ -77,13 +77,13 @@ def color_enabled(stream: object) -> bool:
     return bool(isatty and isatty())
 
 
-_SGR = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
-
-
 def paint(text: str, *styles: str, stream: object = None) -> str:
-    """``text`` in ANSI ``styles`` (bold, dim, red, green, yellow, cyan) when
-    ``stream`` (default stdout) gets colour, else unchanged: rich-free, for the
-    few fast paths (notices, `corral exec`'s output) that must not import it."""
+    """``text`` in ``styles`` (``bold``, ``dim``, or a colour name) when ``stream``
+    (default stdout) gets colour, else unchanged: click's ANSI styling, for the
+    few fast paths (notices, `corral exec`'s output) that must not import rich."""
     if not styles or not color_enabled(sys.stdout if stream is None else stream):
         return text
-    return f"\x1b[{';'.join(_SGR[s] for s in styles)}m{text}\x1b[0m"
+    import click
+
+    colour = next((s for s in styles if s not in ("bold", "dim")), None)
+    return click.style(text, fg=colour, bold="bold" in styles or None, dim="dim" in styles or None)
