@@ -182,3 +182,60 @@ def test_command_sees_none_of_the_wrappers_variables(tmp_path: Path) -> None:
                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     [row] = json.loads(res.stdout)
     assert (row["returncode"], row["stdout"]) == (7, "[0][][][][]\n")
+
+
+def test_command_runs_like_under_ssh_with_sigint_not_ignored(tmp_path: Path) -> None:
+    # `ssh host CMD` starts CMD with default dispositions; a background job of
+    # a non-interactive sh would have SIGINT and SIGQUIT ignored (Python then
+    # never raises KeyboardInterrupt, `kill -INT` of its children does nothing).
+    res = subprocess.run(CORRAL + ["exec", "--json", "--", "grep SigIgn /proc/self/status"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    [row] = json.loads(res.stdout)
+    ignored = int(row["stdout"].split()[1], 16)
+    assert row["returncode"] == 0 and not ignored & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGQUIT - 1))
+
+
+def test_timeout_stops_a_command_that_obeys_sigterm_at_once(tmp_path: Path) -> None:
+    # The grace before SIGKILL is a ceiling, not a wait: a command gone on
+    # SIGTERM ends the host's answer right away (it used to take 2 s more),
+    # and the wrapper's own "Terminated" is not the command's output.
+    marker = tmp_path / "cleaned"
+    started = time.monotonic()
+    res = subprocess.run(CORRAL + ["exec", "--json", "--timeout", "1", "--",
+                                   f"trap 'echo bye > {marker}; exit 3' TERM; sleep 48 & wait"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    elapsed = time.monotonic() - started
+    [row] = json.loads(res.stdout)
+    assert res.returncode == 124 and "did not finish within 1s" in row["error"]
+    assert marker.read_text() == "bye\n"  # its TERM trap ran
+    assert "Terminated" not in row["stderr"]
+    assert elapsed < 2.8, f"teardown waited the whole grace: {elapsed:.1f}s"
+    assert subprocess.run(["pgrep", "-f", "sleep 48"], capture_output=True).returncode == 1
+
+
+def test_wrapper_outside_its_own_session_stops_its_descendants(tmp_path: Path) -> None:
+    # When neither the wrapper nor its parent leads the session (a ForceCommand,
+    # sudo, a login shell that forks twice), the session is not the command's
+    # to kill: the wrapper falls back to its own descendants, and only them.
+    from corral.fanout import remote_argv
+
+    bystander = subprocess.Popen(["sleep", "49"])  # same session, not the wrapper's
+    try:
+        argv = ["sh", "-c", 'sh -c "$@"; echo done', "sh", *remote_argv("sleep 50 & sh -c 'sleep 51'")[2:]]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 10
+        while subprocess.run(["pgrep", "-f", "sleep 51"], capture_output=True).returncode:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert proc.stdin is not None
+        proc.stdin.close()  # the channel closes
+        assert proc.stdout is not None
+        assert proc.stdout.read() == "done\n" and proc.wait(10) == 0
+        deadline = time.monotonic() + 5
+        while subprocess.run(["pgrep", "-f", "sleep 5[01]"], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "the wrapper's descendants survived"
+            time.sleep(0.1)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -36,25 +36,35 @@ from corral.model import Cluster, Host
 from corral.transport import transport_for
 from corral.transport.base import Transport
 
-#: One line, no "!" and no newlines inside quotes: safe under sh, bash, zsh
-#: and csh login shells.  The command runs in a subshell (no exec: a node's
-#: CPU is what the handshakes of a cold fan-out wait for) with the channel's
-#: stdin closed; a watcher reads the channel (fd 3); at EOF it signals the
-#: wrapper, which TERMs, then KILLs, the ssh session it runs in (sshd gives
-#: every channel a session of its own; ``pkill -s``: the session id, never a
-#: name).  The session is used only when its leader is the wrapper or its
-#: login shell (``/proc/$$/stat``); otherwise, or without pkill, it falls
-#: back to the command's own pid.  The command sees none of the wrapper's
-#: variables or arguments.
+#: One line, no newlines inside quotes and no "!" but ``$!``: safe under sh,
+#: bash, zsh and (non-interactive) csh login shells.  The command runs in the foreground of a subshell
+#: (as under ``ssh host CMD``: SIGINT and SIGQUIT not ignored, no wrapper
+#: variables or arguments, stdin from /dev/null; the wrapper's own
+#: "Terminated" goes to /dev/null).  A watcher reads the channel (fd 3); at
+#: EOF (Ctrl-C, ``--timeout``, the head's death) it TERMs every process of the
+#: ssh session the command runs in (sshd gives every channel a session of its
+#: own; never a name or pattern) but the wrapper, its login shell and itself,
+#: waits up to 2 s, polling only those pids, and KILLs what is left; the
+#: wrapper exits after its watcher, so ssh ends once the node is clean.  The
+#: session is used only when its leader is the wrapper or its login shell
+#: (``/proc/$$/stat``); otherwise the wrapper's descendants are.  Candidates
+#: come from ``pgrep -s`` where it exists, else from /proc (dash reads a byte
+#: at a time: one scan of a busy node's /proc costs a few tens of ms).
 WRAPPER = (
     "exec 3<&0; s=; read -r _ _ _ _ _ s _ </proc/$$/stat 2>/dev/null; "
     '[ "$s" = $$ ] || [ "$s" = $PPID ] || s=; '
-    '( exec 3<&- </dev/null; unset s; eval "set --; $1" ) & '
-    "c=$!; "
-    "trap 'trap \"\" TERM; pkill -TERM -s \"$s\" 2>/dev/null || kill -TERM $c 2>/dev/null; sleep 2; "
-    "pkill -KILL -s \"$s\" 2>/dev/null || kill -KILL $c 2>/dev/null; exit 143' USR1; "
-    "( while read -r _ <&3; do :; done; kill -s USR1 $$ ) & "
-    "w=$!; wait $c; r=$?; kill $w 2>/dev/null; exit $r"
+    "( exec </dev/null >/dev/null 2>&1; while read -r _ <&3; do :; done; exec 3<&-; trap : TERM; "
+    "read -r m _ </proc/self/stat; t=\" $$ \"; "
+    "l(){ n=; for p in $(pgrep -s \"$s\" 2>/dev/null || { cd /proc && echo [0-9]*; }); do "
+    'case " $$ $PPID $m " in *" $p "*) continue;; esac; read -r x </proc/$p/stat || continue; set -- ${x##*) }; '
+    '[ "$1" = Z ] && continue; '
+    'if [ "$s" ]; then [ "$4" = "$s" ]; else case "$t" in *" $2 "*) t="$t$p ";; *) false;; esac; fi && n="$n $p"; '
+    'done; [ "$n" ]; }; '
+    "a(){ for p in $n; do read -r x </proc/$p/stat || continue; set -- ${x##*) }; [ \"$1\" = Z ] || return 0; done; return 1; }; "
+    "l && kill -TERM $n; i=0; while [ $i -lt 20 ] && a; do sleep .1 || { sleep 1; i=$((i+9)); }; i=$((i+1)); done; "
+    "i=0; while [ $i -lt 5 ] && l; do kill -KILL $n; i=$((i+1)); done ) & "
+    "w=$!; exec 3<&- 4>&2 2>/dev/null; "
+    '( exec 2>&4 4>&- </dev/null; unset s w; eval "set --; $1" ); r=$?; kill $w; wait $w; exit $r'
 )
 
 #: After a host's channel is closed (timeout, Ctrl-C), how long its wrapper
