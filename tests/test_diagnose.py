@@ -8,6 +8,7 @@ false alarms.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import shutil
@@ -28,7 +29,7 @@ from corral.diagnose import (
     load_rules,
     prefilter,
 )
-from corral.diagnose.logtext import iter_text, parse
+from corral.diagnose.logtext import iter_text, parse, sniff_encoding
 
 FIXTURES = Path(__file__).parent / "fixtures" / "diagnose"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "diagnose.md"
@@ -89,6 +90,55 @@ def test_same_op_everywhere_is_a_timeout_not_a_collective_mismatch():
     assert "collective-mismatch" in [d.rule_id for d in diagnose_path(FIXTURES / "collective-mismatch.log")]
 
 
+def test_other_processes_with_a_small_share_do_not_make_it_a_shared_gpu():
+    """Three 474 MiB CUDA contexts next to a process holding 60 GiB of a 63 GiB GPU: a plain OOM."""
+    ids = [d.rule_id for d in diagnose_path(FIXTURES / "cuda-oom.3.log")]
+    assert ids == ["cuda-oom"]
+    # the same report where the others hold most of the GPU is a shared GPU
+    ids = [d.rule_id for d in diagnose_path(FIXTURES / "cuda-oom-shared-gpu.log")]
+    assert ids == ["cuda-oom-shared-gpu", "cuda-oom"]
+
+
+def test_one_other_process_holding_the_gpu_is_enough():
+    line = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+            "capacity of 79.15 GiB of which 1.10 GiB is free. Process 4242 has 40.00 GiB memory in use. "
+            "Including non-PyTorch memory, this process has 38.00 GiB memory in use.")
+    assert diagnose_text(line)[0].rule_id == "cuda-oom-shared-gpu"
+    small = line.replace("40.00 GiB memory in use. Including", "300.00 MiB memory in use. Including")
+    assert [d.rule_id for d in diagnose_text(small)] == ["cuda-oom"]
+
+
+def test_store_barrier_with_more_workers_than_world_size_is_not_missing_ranks():
+    extra = [d.rule_id for d in diagnose_path(FIXTURES / "store-extra-clients.log")]
+    assert extra[0] == "store-extra-clients" and "store-waiting-for-clients" not in extra
+    missing = [d.rule_id for d in diagnose_path(FIXTURES / "store-waiting-for-clients.2.log")]
+    assert missing == ["store-waiting-for-clients"]
+
+
+def test_nccl_shared_memory_failure_outranks_the_system_error_it_causes():
+    diags = diagnose_text(fixture("shm-too-small.4.log") + "RuntimeError: NCCL Error 2: unhandled system error\n")
+    assert [d.rule_id for d in diags] == ["shm-too-small", "nccl-system-error"]
+    assert any("NCCL_SHM_DISABLE=1" in step for step in diags[0].fix)
+
+
+def test_detail_shape_mismatch_is_not_told_to_rerun_with_detail():
+    diags = diagnose_path(FIXTURES / "collective-shape-mismatch.log")
+    assert [d.rule_id for d in diags] == ["collective-shape-mismatch"]
+    assert not any("TORCH_DISTRIBUTED_DEBUG" in step for step in diags[0].fix)
+    assert diags[0].fix[0] == ("In ALLREDUCE, rank 1 had a tensor of shape [195812480] and rank 0 one of "
+                               "shape [51123456].")
+    # a mismatch seen by the watchdog: the DETAIL rerun comes after the fixes
+    top = diagnose_path(FIXTURES / "collective-mismatch.log")[0]
+    assert top.fix[-1].startswith("To see the call each rank is in, rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL")
+    assert top.fix[0].startswith("Give every rank the same number of batches")
+
+
+def test_rendezvous_store_that_closed_is_not_an_unreachable_address():
+    diags = diagnose_path(FIXTURES / "rendezvous-store-closed.log")
+    assert diags[0].rule_id == "rendezvous-store-closed"
+    assert "store-unreachable" not in [d.rule_id for d in diags]
+
+
 def test_docs_list_every_rule():
     text = DOCS.read_text(encoding="utf-8")
     missing = [r.id for r in RULES if f"`{r.id}`" not in text]
@@ -120,6 +170,11 @@ fix = ["f"]
         (lambda s: s + _GOOD, "defined twice"),
         (lambda s: s.replace('fix = ["f"]', 'fix = ["f"]\ndistinct = "op"'), "no pattern captures"),
         (lambda s: s.replace("['boom']", "[]"), "at least one regex"),
+        (lambda s: s.replace("['boom']", "[{ re = 'boom', check = 'moon_phase' }]"),
+         "pattern check 'moon_phase' is unknown"),
+        (lambda s: s.replace("['boom']", "[{ re = 'boom (?P<joined>\\d+)', check = 'joined_above_expected' }]"),
+         "reads group(s) expected"),
+        (lambda s: s + '[[rule.refine]]\nfix = "x"\nlast = "yes"\n', "must be true or false"),
     ],
 )
 def test_bad_rules_are_rejected_naming_the_entry(tmp_path, edit, message):
@@ -166,11 +221,98 @@ def test_extra_rules_file_adds_a_rule(tmp_path):
         ("kolyoz2:25146:25854 [0] NCCL WARN NET/IB", "kolyoz2", None,
          "kolyoz2:25146:25854 [0] NCCL WARN NET/IB"),
         ("\x1b[31m[rank1]:\x1b[0m boom", None, 1, "boom"),
+        # bracketed numbers are a pid or a kernel timestamp, never a host; an IPv4 address is one
+        ("[80746] [rank0]:[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog", None, 0,
+         "[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog"),
+        ("[2059991.491436] oom-kill:constraint=CONSTRAINT_NONE", None, None, "oom-kill:constraint=CONSTRAINT_NONE"),
+        ("[  12.5] Out of memory: Killed process 25315", None, None, "Out of memory: Killed process 25315"),
+        ("[10.0.0.3] torchrun says", "10.0.0.3", None, "torchrun says"),
+        ("[2026-03-13 22:26:02] node-01:1234:1240 [5] NCCL WARN x", "node-01", None,
+         "node-01:1234:1240 [5] NCCL WARN x"),
+        ("[trainer0|0]:ncclInternalError: Internal check failed.", None, None,
+         "ncclInternalError: Internal check failed."),
+        ("(pid=909608) z-pc:909608:910337 [0] NCCL WARN x", "z-pc", None, "z-pc:909608:910337 [0] NCCL WARN x"),
+        # the rank in torch's own log header (old format, default group) ...
+        ("[E ProcessGroupNCCL.cpp:737] [Rank 3] Watchdog caught", None, 3,
+         "[E ProcessGroupNCCL.cpp:737] [Rank 3] Watchdog caught"),
+        # ... but not a rank within another process group
+        ("[E321 02:07:08.465 ProcessGroupNCCL.cpp:1664] [PG 1 Rank 0] Exception", None, None,
+         "[E321 02:07:08.465 ProcessGroupNCCL.cpp:1664] [PG 1 Rank 0] Exception"),
+        ("srun: error: gpu-0-1: tasks 8-13,15: Exited with exit code 1", "gpu-0-1", None,
+         "srun: error: gpu-0-1: tasks 8-13,15: Exited with exit code 1"),
     ],
 )
 def test_launcher_prefixes_are_stripped_and_attributed(raw, host, rank, text):
     (line,) = parse(raw, 1)
     assert (line.host, line.rank, line.text) == (host, rank, text)
+
+
+def test_torchelastic_role_prefix_gives_the_local_rank():
+    (line,) = parse("[trainer3]:twshared1016:1958:1958 [3] NCCL INFO x", 1)
+    assert (line.local_rank, line.host) == (3, "twshared1016")
+    (line,) = parse("[trainer0|2]:ncclInternalError", 1)
+    assert (line.local_rank, line.host, line.text) == (0, None, "ncclInternalError")
+
+
+def test_a_number_in_brackets_is_never_reported_as_the_host():
+    text = "[2059991.491436] oom-kill:constraint=CONSTRAINT_NONE,task=python3,pid=25315\n" \
+        "[2059991.491542] Out of memory: Killed process 25315 (python3) total-vm:53312244kB\n"
+    (top,) = diagnose_text(text)
+    assert (top.rule_id, top.host, top.hosts) == ("host-oom-killed", None, ())
+    assert not any("2059991" in step for step in top.fix)
+
+
+def test_where_names_only_the_lines_that_show_the_failure():
+    """A context line from another process does not make its host a place the failure was seen."""
+    top = diagnose_path(FIXTURES / "nccl-no-socket-interface.log")[0]
+    assert top.rule_id == "nccl-no-socket-interface"
+    assert any("twshared1016" in m.text for m in top.lines)  # the context line is still evidence
+    assert (top.host, top.hosts) == (None, ())
+    assert "also seen on" not in _invoke(str(FIXTURES / "nccl-no-socket-interface.log")).output
+
+
+def test_every_rank_that_shows_the_failure_is_listed():
+    top = diagnose_text("\n".join(
+        f"[E ProcessGroupNCCL.cpp:737] [Rank {r}] Watchdog caught collective operation timeout: "
+        f"WorkNCCL(SeqNum=469508, OpType=ALLREDUCE, Timeout(ms)=1800000) ran for 1802212 milliseconds "
+        f"before timing out." for r in (1, 3, 2, 6, 7)))[0]
+    assert (top.rule_id, top.rank, top.ranks) == ("collective-timeout", 1, (1, 2, 3, 6, 7))
+
+
+def test_srun_names_the_host_of_the_failed_tasks():
+    top = diagnose_path(FIXTURES / "srun-task-failed.log")[0]
+    assert (top.rule_id, top.host) == ("srun-task-failed", "slurm-job-compute-0-0")
+    assert top.hosts == ("slurm-job-compute-0-0", "slurm-job-compute-0-1")
+    assert top.fix[0].startswith("srun names slurm-job-compute-0-0: task(s) 2-7 exited with code 1")
+
+
+_FIRST_LINE = "[rank1]: RuntimeError: Default process group has not been initialized\nstep 2\n"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-8-sig", "utf-32"])
+def test_logs_written_with_a_byte_order_mark_are_decoded(tmp_path, encoding):
+    """Windows PowerShell's `>` writes UTF-16 with a BOM; the BOM must not hide line 1's prefix."""
+    data = _FIRST_LINE.encode(encoding)
+    if encoding == "utf-16-be":
+        data = codecs.BOM_UTF16_BE + data
+    (tmp_path / "ps.log").write_bytes(data)
+    (top,) = diagnose_path(tmp_path / "ps.log")
+    assert (top.rule_id, top.rank, top.lines[0].line) == ("process-group-not-initialized", 1, 1)
+    assert top.lines[0].text == _FIRST_LINE.splitlines()[0]
+
+
+def test_utf16_without_a_byte_order_mark_is_recognised(tmp_path):
+    path = tmp_path / "nobom.log"
+    path.write_bytes(fixture("nccl-duplicate-gpu.log").encode("utf-16-le"))
+    assert diagnose_path(path)[0].rule_id == "nccl-duplicate-gpu"
+    assert sniff_encoding(b"plain ascii log text, line one\n") == "utf-8"
+    assert sniff_encoding("héllo wörld, a UTF-8 log\n".encode()) == "utf-8"
+    assert sniff_encoding("plain ascii log text\n".encode("utf-16-be")) == "utf-16-be"
+
+
+def test_text_with_a_byte_order_mark_is_diagnosed():
+    (top,) = diagnose_text("\ufeff" + _FIRST_LINE)
+    assert (top.rule_id, top.rank) == ("process-group-not-initialized", 1)
 
 
 def test_carriage_return_segments_are_separate_lines():
@@ -368,7 +510,7 @@ def test_missing_path_is_a_usage_error(tmp_path):
 # ------------------------------------------------------------------ CLI
 
 
-def _invoke(*args: str, input: str | None = None):
+def _invoke(*args: str, input: str | bytes | None = None):
     return CliRunner().invoke(cli, ["diagnose", *args], input=input)
 
 
@@ -423,6 +565,22 @@ def test_cli_all_and_stdin():
     assert "rerun with --all" in hidden.output
     everything = _invoke("-", "--all", input=log)
     assert "4. Also possible" in everything.output
+
+
+def test_cli_stdin_from_windows_powershell_is_decoded():
+    # `... | Out-File log.txt` / `>` in Windows PowerShell writes UTF-16 with a BOM.
+    text = fixture("ssh-permission-denied.log")
+    res = _invoke("-", input=text.encode("utf-16"))
+    assert res.exit_code == 0 and "ssh refused the key" in res.output
+
+
+def test_where_without_a_first_host_lists_the_hosts_plainly():
+    from corral.cli.diagnose import _where
+
+    [d] = [d for d in diagnose_text("unhandled system error\nnode2: unhandled system error\n")
+           if d.rule_id == "nccl-system-error"]
+    assert (d.host, d.hosts) == (None, ("node2",))
+    assert _where(d) == "seen on node2"
 
 
 def test_cli_facts_flag(tmp_path):

@@ -17,6 +17,7 @@ from corral.diagnose import (
     load_facts,
     load_rules,
 )
+from corral.diagnose.logtext import sniff_encoding
 
 #: Causes shown without --all.
 _DEFAULT_SHOWN = 3
@@ -60,7 +61,7 @@ def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
     rules = load_rules(rules_files)
     facts = load_facts(facts_file) if facts_file else None
     if target == "-":
-        diags = diagnose_text(sys.stdin.read(), origin="<stdin>", facts=facts, rules=rules)
+        diags = diagnose_text(_read_stdin(), origin="<stdin>", facts=facts, rules=rules)
         report = RunReport(path="<stdin>", kind="file", files=("<stdin>",), failure=None,
                            facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags))
     else:
@@ -90,6 +91,13 @@ def _as_json(report: RunReport) -> dict:
     }
 
 
+def _read_stdin() -> str:
+    """Standard input as text in the encoding it was written in (a log pasted
+    from Windows PowerShell is UTF-16), not in the terminal's locale."""
+    data = sys.stdin.buffer.read()
+    return data.decode(sniff_encoding(data[:4096]), errors="replace")
+
+
 def _where(d: Diagnosis) -> str:
     parts = []
     if d.host:
@@ -99,7 +107,8 @@ def _where(d: Diagnosis) -> str:
     where = " ".join(parts)
     others = [h for h in d.hosts if h != d.host]
     if others:
-        where += f" (also seen on {', '.join(others[:6])}{' ...' if len(others) > 6 else ''})"
+        listed = f"{', '.join(others[:6])}{' ...' if len(others) > 6 else ''}"
+        where += f" (also seen on {listed})" if where else f"seen on {listed}"
     elif len(d.ranks) > 1:
         where += f" (ranks {', '.join(str(r) for r in d.ranks[:12])})"
     return where.strip()

@@ -26,6 +26,8 @@ from corral.diagnose.rules import Rule, load_rules
 #: Matched lines kept per pattern, and per diagnosis in total.
 _LINES_PER_PATTERN = 3
 _LINES_PER_DIAGNOSIS = 8
+#: Distinct (host, rank) places remembered per rule.
+_PLACES_PER_RULE = 256
 _MAX_CONFIDENCE = 0.99
 
 
@@ -84,7 +86,7 @@ class Diagnosis:
 class _RuleState:
     """What one rule has seen so far in one log."""
 
-    __slots__ = ("excluded", "hits", "lines", "required", "values")
+    __slots__ = ("excluded", "hits", "lines", "places", "required", "values")
 
     def __init__(self, rule: Rule) -> None:
         self.hits = [0] * len(rule.patterns)
@@ -92,6 +94,8 @@ class _RuleState:
         self.values: list[dict[str, list[str]]] = [{} for _ in rule.patterns]
         self.required = [False] * len(rule.requires)
         self.excluded = False
+        #: Where the lines of non-weak patterns came from: (host, rank).
+        self.places: dict[tuple[str | None, int | None], None] = {}
 
 
 class Matcher:
@@ -123,11 +127,13 @@ class Matcher:
                 state.excluded = True
             for i, pattern in enumerate(rule.patterns):
                 m = pattern.regex.search(text)
-                if not m:
+                if not m or (pattern.check is not None and not pattern.check.test(m)):
                     continue
                 state.hits[i] += 1
                 if len(state.lines[i]) < _LINES_PER_PATTERN:
                     state.lines[i].append(line)
+                if not pattern.weak and len(state.places) < _PLACES_PER_RULE:
+                    state.places.setdefault(self._where(line))
                 for name, value in m.groupdict().items():
                     if value is not None:
                         seen = state.values[i].setdefault(name, [])
@@ -217,15 +223,20 @@ class Matcher:
         for i in counted:
             for name, values in state.values[i].items():
                 captures.setdefault(name, values[0])
-        fix = refine_steps(rule.refine, captures=captures, host=host, rank=rank, facts=facts)
+        where = {"captures": captures, "host": host, "rank": rank, "facts": facts}
+        fix = refine_steps([r for r in rule.refine if not r.last], **where)
         fix += [step for step in rule.fix if step not in fix]
+        last = refine_steps([r for r in rule.refine if r.last], **where)
+        fix += [step for step in last if step not in fix]
         lines = tuple(
             MatchedLine(line=ln.number, text=ln.shown, origin=self.origin,
                         host=self._where(ln)[0], rank=self._where(ln)[1])
             for ln in evidence
         )
-        hosts = sorted({m.host for m in lines if m.host})
-        ranks = sorted({m.rank for m in lines if m.rank is not None})
+        # Where the failure was seen: every line that names it, not the context
+        # lines (a weak pattern's line can come from a process that did not fail).
+        hosts = sorted({h for h, _ in state.places if h})
+        ranks = sorted({r for _, r in state.places if r is not None})
         return Diagnosis(
             rule_id=rule.id, title=rule.title, category=rule.category,
             category_label=rule.category_label, cause=rule.cause, fix=tuple(fix),
@@ -249,4 +260,4 @@ def diagnose_text(
     log file); ``facts`` (doctor facts per host) make fix steps host-specific.
     """
     matcher = Matcher(rules, origin=origin, host=host, rank=rank)
-    return matcher.feed_stream(io.StringIO(text)).diagnoses(facts)
+    return matcher.feed_stream(io.StringIO(text.removeprefix("\ufeff"))).diagnoses(facts)

@@ -26,6 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from corral.diagnose.checks import CHECKS, Check
 from corral.diagnose.facts import PREDICATES
 from corral.errors import UsageError
 
@@ -40,6 +41,9 @@ CATEGORIES: dict[str, str] = {
     "deepspeed": "DeepSpeed/ZeRO",
     "checkpoint": "checkpointing",
     "launcher": "launcher configuration",
+    "gpu": "GPU/CUDA",
+    "model": "model/DDP",
+    "scheduler": "scheduler (Slurm)",
 }
 
 #: Weight of a pattern given as a bare string ("this line names the failure").
@@ -54,8 +58,8 @@ _RULE_KEYS = frozenset(
      "cause", "fix", "refine", "source", "fixtures"}
 )
 _REQUIRED = ("id", "title", "category", "patterns", "cause", "fix")
-_PATTERN_KEYS = frozenset({"re", "weight"})
-_REFINE_KEYS = frozenset({"when", "needs", "fix", "fallback"})
+_PATTERN_KEYS = frozenset({"re", "weight", "check"})
+_REFINE_KEYS = frozenset({"when", "needs", "fix", "fallback", "last"})
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 
 
@@ -72,6 +76,8 @@ class Pattern:
     weight: float
     #: Weak patterns add confidence but never make a rule match on their own.
     weak: bool = False
+    #: A condition on the match (:mod:`corral.diagnose.checks`) that must hold for it to count.
+    check: Check | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +94,8 @@ class Refinement:
     fix: str
     #: Applies only when no earlier refinement of the rule produced a step.
     fallback: bool = False
+    #: Shown after the rule's generic steps instead of before them.
+    last: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,7 +279,18 @@ def _parse_pattern(item: Any, fail, *, weak: bool) -> Pattern:
     weight = item.get("weight", WEAK_WEIGHT if weak else STRONG_WEIGHT)
     if not isinstance(weight, (int, float)) or not 0 < weight <= 1:
         raise fail(f"pattern weight must be in (0, 1], got {weight!r}")
-    return Pattern(regex=_compile(item["re"], fail), weight=float(weight), weak=weak)
+    regex = _compile(item["re"], fail)
+    check = None
+    if "check" in item:
+        check = CHECKS.get(item["check"]) if isinstance(item["check"], str) else None
+        if check is None:
+            raise fail(f"pattern check {item['check']!r} is unknown",
+                       hint=f"one of: {', '.join(sorted(CHECKS))}")
+        missing = sorted(check.needs - set(regex.groupindex))
+        if missing:
+            raise fail(f"pattern check '{check.name}' reads group(s) {', '.join(missing)} "
+                       f"that {item['re']!r} does not capture")
+    return Pattern(regex=regex, weight=float(weight), weak=weak, check=check)
 
 
 def _parse_refine(item: Any, fail) -> Refinement:
@@ -291,9 +310,11 @@ def _parse_refine(item: Any, fail) -> Refinement:
     if not isinstance(needs, list) or not all(isinstance(n, str) for n in needs):
         raise fail("refine 'needs' must be a list of names")
     fallback = item.get("fallback", False)
-    if not isinstance(fallback, bool):
-        raise fail("refine 'fallback' must be true or false")
-    return Refinement(when=when, needs=tuple(needs), fix=" ".join(fix.split()), fallback=fallback)
+    last = item.get("last", False)
+    if not isinstance(fallback, bool) or not isinstance(last, bool):
+        raise fail("refine 'fallback' and 'last' must be true or false")
+    return Refinement(when=when, needs=tuple(needs), fix=" ".join(fix.split()), fallback=fallback,
+                      last=last)
 
 
 def _check_templates(rule: Rule, fail) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.diagnose.facts import AllFacts
+from corral.diagnose.logtext import open_log
 from corral.diagnose.matcher import Diagnosis, Matcher
 from corral.diagnose.rules import Rule, load_rules
 from corral.errors import UsageError
@@ -172,7 +173,7 @@ def _scan(file: Path, origin: str, rules: Sequence[Rule], host: str | None, rank
           facts: AllFacts | None) -> list[Diagnosis]:
     matcher = Matcher(rules, origin=origin, host=host, rank=rank)
     try:
-        with file.open(encoding="utf-8", errors="replace", newline="") as stream:
+        with open_log(file) as stream:
             matcher.feed_stream(stream)
     except OSError as err:
         raise UsageError(f"{file}: cannot read: {err.strerror}") from None
