@@ -29,6 +29,7 @@ be pointed at another ssh_config.  Run as root (the sandbox needs it).
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import shutil
 import signal
@@ -39,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import corral
 from corral.sandbox import Sandbox
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +139,10 @@ def main() -> None:
     args = ap.parse_args()
     (REPO / "scratch").mkdir(exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-launch-"))
+    # Time corral as installed: `pip install` byte-compiles it.  A checkout run
+    # with PYTHONDONTWRITEBYTECODE=1 (containers, CI images) would otherwise
+    # recompile every module changed since its .pyc on every timed start.
+    compileall.compile_dir(Path(corral.__file__).parent, quiet=1)
     sb = Sandbox(name="bench", prefix="bn")
     sb.up(args.nodes, with_keys=True, slots=2)
     try:
