@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import corral
+import corral as corral_pkg
 from corral.sandbox import Sandbox
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def main() -> None:
     # Time corral as installed: `pip install` byte-compiles it.  A checkout run
     # with PYTHONDONTWRITEBYTECODE=1 (containers, CI images) would otherwise
     # recompile every module changed since its .pyc on every timed start.
-    compileall.compile_dir(Path(corral.__file__).parent, quiet=1)
+    compileall.compile_dir(Path(corral_pkg.__file__).parent, quiet=1)
     sb = Sandbox(name="bench", prefix="bn")
     sb.up(args.nodes, with_keys=True, slots=2)
     try:
