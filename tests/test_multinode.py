@@ -196,6 +196,40 @@ def test_rank_crash_stops_every_node(sandbox, workdir: Path) -> None:
     assert_clean(sandbox, within=5)
 
 
+def test_lightning_main_process_crash_is_named_not_its_childs_echo(sandbox, workdir: Path) -> None:
+    # corral starts Lightning's main process (local rank 0) on each node and it
+    # spawns local rank 1.  When the main process of node 2 (global rank 2)
+    # raises, its child only loses its peer ("Connection closed by peer") and
+    # is killed, and reports first: the summary must still name rank 2.
+    write(workdir / "lit_crash.py", """
+        import torch, torch.nn as nn
+        import lightning as L
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class M(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Linear(4, 1)
+            def training_step(self, batch, i):
+                if self.global_rank == 2 and i == 1:
+                    raise ValueError("bad batch on global rank 2")
+                x, y = batch
+                return nn.functional.mse_loss(self.net(x), y)
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        x = torch.randn(128, 4)
+        trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=4, strategy="ddp", max_epochs=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(M(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
+    """)
+    res = corral(sandbox, ["--launcher", "lightning", "lit_crash.py"], workdir)
+    node2 = sandbox.nodes[1]
+    assert f"rank 2 on {node2} failed: ValueError: bad batch on global rank 2" in res.stderr, res.stderr[-3000:]
+    assert res.returncode == 1
+    assert_clean(sandbox, within=5)
+
+
 def test_partitioned_node_is_named_within_15s(sandbox, workdir: Path) -> None:
     write(workdir / "loop.py", LOOP)
     victim = sandbox.nodes[2]

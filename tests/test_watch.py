@@ -7,9 +7,10 @@ from corral.plan import NodeFacts, RunSpec, build_plan
 from corral.watch import JobWatch
 
 
-def watch() -> JobWatch:
+def watch(launcher: str = "torchrun") -> JobWatch:
     c = Cluster(hosts=(Host(name="a", slots=2), Host(name="b", slots=2)))
-    plan = build_plan(c, RunSpec(program="t.py", run_id="r"), {"a": NodeFacts(), "b": NodeFacts()},
+    plan = build_plan(c, RunSpec(program="t.py", run_id="r", launcher=launcher),
+                      {"a": NodeFacts(), "b": NodeFacts()},
                       master_addr="10.0.0.1", master_port=1, head_env={}, head_cwd="/")
     return JobWatch(plan, sinks=[])
 
@@ -109,3 +110,59 @@ def test_torchruns_summary_signal_and_no_summary() -> None:
     w.event("a", {"ev": "line", "r": None, "t": "Traceback: something else"})
     w.event("a", {"ev": "exit", "code": 1, "sig": None})
     assert w.root_cause().rank is None
+
+
+def _lines(w: JobWatch, host: str, rank: int, text: str) -> None:
+    for line in text.splitlines():
+        w.event(host, {"ev": "line", "r": rank, "s": "err", "t": line})
+
+
+def test_lightning_main_process_is_its_nodes_first_rank() -> None:
+    # Lightning: corral starts local rank 0 (global rank 2 on b), which spawns
+    # rank 3.  Rank 2 raises; Lightning's child sees its peer vanish and is
+    # terminated.  The child reports first (its hook), the main process only
+    # as the node's exit: the main process's own error is still the cause.
+    w = watch("lightning")
+    _lines(w, "b", 2, "Epoch 0:  10%\n[rank2]: Traceback (most recent call last):\n"
+                      '[rank2]:   File "train.py", line 9, in training_step\n'
+                      "[rank2]:     raise ValueError('bad batch on global rank 2')\n"
+                      "[rank2]: ValueError: bad batch on global rank 2")
+    w.event("b", {"ev": "rank_exit", "r": 3, "code": None, "sig": 15,
+                  "exc": "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                         "Connection closed by peer [10.0.0.2]:4321"})
+    w.stopping = True  # the child's report already started the teardown
+    w.event("b", {"ev": "exit", "code": 1, "sig": None})
+    cause = w.root_cause()
+    assert (cause.host, cause.rank, cause.exit_code) == ("b", 2, 1)
+    assert cause.describe() == "rank 2 on b failed: ValueError: bad batch on global rank 2 (exited with code 1)"
+    assert w.tail_for(cause)[-1] == "[rank2]: ValueError: bad batch on global rank 2"
+
+
+def test_command_launcher_node_exit_names_its_rank_and_keeps_its_output() -> None:
+    w = watch("command")
+    _lines(w, "a", 0, "bash: line 1: exec: python: not found")
+    w.event("a", {"ev": "exit", "code": 127, "sig": None})
+    cause = w.root_cause()
+    assert (cause.host, cause.rank, cause.exit_code) == ("a", 0, 127)
+    assert w.tail_for(cause) == ["bash: line 1: exec: python: not found"]
+
+
+def test_node_process_terminated_from_outside_is_not_the_cause() -> None:
+    w = watch("lightning")
+    w.event("a", {"ev": "rank_exit", "r": 1, "code": 1, "exc": "KeyError: 'batch_size'"})
+    w.event("b", {"ev": "exit", "code": None, "sig": 15})
+    assert w.root_cause().rank == 1
+
+
+def test_node_process_stopped_by_the_teardown_is_not_the_cause() -> None:
+    # Rank 1 failed; stopping node b made its Lightning main process raise
+    # SIGTERMException (exit 1) or just exit: neither is blamed.
+    for text, code in (("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                        "lightning.pytorch.utilities.exceptions.SIGTERMException", 1), ("", 1)):
+        w = watch("lightning")
+        w.event("a", {"ev": "rank_exit", "r": 1, "code": None, "sig": 15,
+                      "exc": "RuntimeError: Connection closed by peer [10.0.0.2]:1"})
+        w.stopping = True
+        _lines(w, "b", 2, text)
+        w.event("b", {"ev": "exit", "code": code, "sig": None})
+        assert w.root_cause().rank == 1

@@ -316,7 +316,8 @@ class Runner:
         The failing node's own launcher gets ``grace`` seconds to wind down
         by itself (torchrun then reports which of its ranks failed); every
         other node is stopped at once, since its ranks can only hang or fail
-        on the missing peer.
+        on the missing peer -- unless the first failure is itself such an
+        echo, when every node gets the grace to report the real error.
         """
         assert self._wake is not None
         stopping_since: float | None = None
@@ -351,7 +352,11 @@ class Runner:
                 watch.stopping = True
                 stopping_since = now
                 for s in pool.sessions:
-                    if cause is not None and s.name == cause.host and not watch.nodes[s.name].done:
+                    # A failure that looks like an echo (a peer vanished) may
+                    # have its cause on any node: every node then gets the
+                    # grace to report its own error before it is stopped.
+                    if (cause is not None and (cause.consequential or s.name == cause.host)
+                            and not watch.nodes[s.name].done):
                         pending[s.name] = now + self.options.grace
                     else:
                         await stop(s, reason)

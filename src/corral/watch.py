@@ -34,6 +34,9 @@ _PEER_FAILURE = re.compile(
     r"failed to recv|Connection refused|ECONNRESET|EPIPE",
     re.IGNORECASE,
 )
+#: Exceptions a process raises because it was told to stop (Lightning turns
+#: SIGTERM into SIGTERMException), not because it failed.
+_STOPPED = re.compile(r"SIGTERMException|KeyboardInterrupt|SystemExit|Terminated\b")
 _TERMINATED = {int(_signal.SIGTERM), int(_signal.SIGINT), int(_signal.SIGHUP)}
 
 
@@ -123,6 +126,32 @@ def _torchrun_root_cause(lines: list[str]) -> tuple[int, int] | None:
     return rank, code
 
 
+_EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Fault|Failure)\b")
+
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+
+
+def _exception_line(lines: list[str]) -> str | None:
+    """The exception a Python traceback in ``lines`` ends with (its last one).
+
+    torch prefixes an uncaught exception's lines with ``[rankN]: `` once the
+    process group exists; that prefix is not part of the exception."""
+    lines = [_RANK_PREFIX.sub("", line, count=1) for line in lines]
+    start = None
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            start = i
+            break
+    if start is None:
+        return None
+    found = None
+    for line in lines[start + 1:]:
+        if _EXC_LINE.match(line):
+            found = line.strip()
+    return found
+
+
 @dataclass
 class NodeState:
     plan: NodePlan
@@ -184,10 +213,18 @@ class JobWatch:
             elif (node.exit_code or node.exit_signal) and not self.stopping:
                 for soft in self.soft.pop(host, []):
                     self._fail(soft)
-                self._rank_from_launcher(host, node)
+                if node.plan.pipe_rank is not None:
+                    self._rank_from_node_exit(host, node)
+                else:
+                    self._rank_from_launcher(host, node)
                 self._fail(Failure(host=host, rank=None, kind="signal" if node.exit_signal else "exit",
                                    code=node.exit_code, signal=node.exit_signal,
                                    consequential=True))  # the rank that caused it is reported separately
+            elif (node.exit_code or node.exit_signal) and node.plan.pipe_rank is not None:
+                # Stopping already, because a rank reported first (a Lightning
+                # child that lost its peer): this node's own rank may be the
+                # one that failed, its exit only arriving after its children's.
+                self._rank_from_node_exit(host, node)
         elif kind == "closed":
             if not node.exited:
                 self.lose(host, ev.get("error") or "the connection to its agent closed")
@@ -209,7 +246,7 @@ class JobWatch:
             self.soft.setdefault(host, []).append(
                 Failure(host=host, rank=ev.get("r"), kind="signal", signal=sig, consequential=True))
             return
-        consequential = bool(exc and _PEER_FAILURE.search(exc))
+        consequential = bool(exc and (_PEER_FAILURE.search(exc) or _STOPPED.search(exc)))
         if not consequential and not exc:
             # No exception line recorded: look at what the rank last wrote.
             tail = "\n".join(list(self.tails[ev.get("r")])[-30:])
@@ -234,6 +271,28 @@ class JobWatch:
         self._fail(Failure(host=host, rank=rank, kind="signal" if code < 0 else "exit",
                            code=code if code > 0 else None, signal=-code if code < 0 else None,
                            consequential=bool(_PEER_FAILURE.search(tail))))
+
+    def _rank_from_node_exit(self, host: str, node: NodeState) -> None:
+        """The node's process is itself a rank (Lightning's main process is
+        local rank 0 and spawns the others; the command launcher's one process
+        per node): its exit is that rank's failure, with the exception its
+        output ends with.  Without this, a Lightning child that was only told
+        to stop (SIGTERM, "Connection closed by peer") would be blamed."""
+        rank = node.plan.pipe_rank
+        if any(f.host == host and f.rank == rank and not f.consequential for f in self.failures):
+            return
+        code, sig = node.exit_code, node.exit_signal
+        if self.stopping and (sig in _TERMINATED or sig == int(_signal.SIGKILL) or code in (143, 137)):
+            return  # our own teardown
+        tail = list(self.tails[rank])[-TAIL_LINES:]
+        exc = _exception_line(tail)
+        if exc is not None:
+            consequential = bool(_PEER_FAILURE.search(exc) or _STOPPED.search(exc))
+        else:
+            consequential = (self.stopping or sig in _TERMINATED
+                             or bool(_PEER_FAILURE.search("\n".join(tail[-30:]))))
+        self._fail(Failure(host=host, rank=rank, kind="signal" if sig else "exit",
+                           code=code or None, signal=sig or None, exc=exc, consequential=consequential))
 
     def lose(self, host: str, reason: str) -> None:
         node = self.nodes[host]
