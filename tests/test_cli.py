@@ -62,3 +62,41 @@ def test_cli_surface_is_frozen() -> None:
     if os.environ.get("UPDATE_CLI_SURFACE"):
         SURFACE.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
     assert now == json.loads(SURFACE.read_text())
+
+
+def _run_cli(tmp_path: Path, *args: str):
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        return CliRunner().invoke(cli, ["run", *args])
+    finally:
+        os.chdir(old)
+
+
+def test_run_refuses_a_launcher_typed_as_the_program(tmp_path: Path) -> None:
+    # `corral run python train.py` / `torchrun ... train.py`: told what to type
+    # at once, not "python not found on node1 -- sync the project" later.
+    for argv, says in ((["python3", "train.py", "--lr", "1"], "corral run train.py"),
+                       (["torchrun", "--nproc_per_node", "2", "train.py"], "corral run train.py"),
+                       (["accelerate", "launch", "train.py"], "--launcher accelerate"),
+                       (["deepspeed", "train.py"], "--launcher deepspeed")):
+        res = _run_cli(tmp_path, *argv)
+        assert res.exit_code == 2, res.output
+        assert "give the training script itself" in res.output and says in res.output
+    # ... but a local file of that name, a path, -m, or the command launcher is taken as given.
+    (tmp_path / "python").write_text("print(1)\n")
+    res = _run_cli(tmp_path, "--dry-run", "python")
+    assert res.exit_code == 0, res.output
+    assert _run_cli(tmp_path, "--dry-run", "--launcher", "command", "python3", "x.py").exit_code == 0
+
+
+def test_run_refuses_bad_workdir_ranks_and_directory_cluster(tmp_path: Path) -> None:
+    res = _run_cli(tmp_path, "--workdir", "data", "t.py")
+    assert res.exit_code == 2 and "is relative" in res.output and str(tmp_path / "data") in res.output
+    res = _run_cli(tmp_path, "--ranks", "9-2", "t.py")
+    assert res.exit_code == 2 and "empty range" in res.output
+    (tmp_path / "cl").mkdir()
+    (tmp_path / "cl" / "hostfile").write_text("localhost\n")
+    res = _run_cli(tmp_path, "-c", str(tmp_path / "cl"), "t.py")
+    assert res.exit_code == 2 and "is a directory" in res.output
+    assert f"-c {tmp_path / 'cl' / 'hostfile'}" in res.output

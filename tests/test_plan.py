@@ -96,8 +96,11 @@ def test_nproc_resolution() -> None:
 
 def test_only_named_or_allowlisted_env_travels() -> None:
     head = {"NCCL_DEBUG": "INFO", "HOME": "/home/me", "AWS_SECRET_ACCESS_KEY": "s", "HF_TOKEN": "t",
-            "OMP_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "0", "PATH": "/bin", "TORCH_NCCL_TRACE": "1"}
-    assert env_from_head(head) == {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "TORCH_NCCL_TRACE": "1"}
+            "OMP_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "0", "PATH": "/bin", "TORCH_NCCL_TRACE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "TORCH_HUB_TOKEN": "x", "NCCL_IB_KEY": "y"}
+    # TOKENIZERS_PARALLELISM is on the documented list: a setting, not a token
+    assert env_from_head(head) == {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "TORCH_NCCL_TRACE": "1",
+                                   "TOKENIZERS_PARALLELISM": "false"}
     p = plan(RunSpec(program="t.py", env={"WANDB_API_KEY": "k"}, run_id="r"), head_env=head)
     env = p.nodes[0].env
     assert env["WANDB_API_KEY"] == "k" and "HOME" not in env and "HF_TOKEN" not in env

@@ -38,6 +38,8 @@ def parse_ranks(spec: str) -> set[int] | None:
         lo, sep, hi = part.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
             raise ValueError(f"{part!r} is not a rank or a range like 0-3")
+        if sep and int(hi) < int(lo):
+            raise ValueError(f"{part!r} is an empty range (write the lower rank first)")
         out.update(range(int(lo), int(hi) + 1) if sep else {int(lo)})
     return out
 

@@ -39,7 +39,9 @@ ENV_ALLOW_NAMES = frozenset({
     "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER",
 })
 ENV_NEVER = frozenset({"CUDA_VISIBLE_DEVICES"})
-_SECRET = re.compile(r"TOKEN|SECRET|PASSW|_KEY$|APIKEY|CREDENTIAL", re.I)
+#: Never forwarded unless named with --env (HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...).
+#: TOKEN as a word: TOKENIZERS_PARALLELISM is a setting, not a token.
+_SECRET = re.compile(r"(?:^|_)TOKEN(?:$|_)|SECRET|PASSW|_KEY$|APIKEY|CREDENTIAL", re.I)
 
 #: Set by corral; a user --env for these is refused (use the dedicated flags).
 CONTRACT = frozenset({"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES", "WORLD_SIZE"})
@@ -142,9 +144,11 @@ def env_from_head(environ: Mapping[str, str]) -> dict[str, str]:
     """The allow-listed part of the head's environment (documented list)."""
     out = {}
     for key, value in environ.items():
-        if key in ENV_NEVER or _SECRET.search(key):
+        if key in ENV_ALLOW_NAMES:  # curated settings, whatever their names contain
+            out[key] = value
+        elif key in ENV_NEVER or _SECRET.search(key):
             continue
-        if key in ENV_ALLOW_NAMES or key.startswith(ENV_ALLOW_PREFIXES):
+        elif key.startswith(ENV_ALLOW_PREFIXES):
             out[key] = value
     return out
 

@@ -109,6 +109,12 @@ def run(
         status_ranks = parse_ranks(ranks_spec)
     except ValueError as e:
         raise UsageError(f"--ranks {ranks_spec!r}: {e}", hint="use e.g. --ranks 0 or --ranks 0-3,8") from None
+    if launcher != "command" and not module:
+        _refuse_launcher_as_program(program, args)
+    if workdir is not None and not workdir.startswith(("/", "~")):
+        raise UsageError(
+            f"--workdir {workdir!r} is relative: on a node it would be taken from the ssh login directory",
+            hint=f"give an absolute path, e.g. --workdir {Path(workdir).absolute()}")
     cluster = cluster_opts.load()
     if sync_first:
         from corral.cli.sync import sync_cluster
@@ -137,6 +143,36 @@ def run(
         view.close()
     _summary(result, as_json)
     sys.exit(result.exit_code)
+
+
+#: What people type before their script out of habit; corral runs these itself.
+_LAUNCHER_HINTS = {
+    "torchrun": "corral runs torchrun on every node for you: `corral run [-n N] SCRIPT ARGS`; other torchrun "
+                "options go in --launcher-arg",
+    "accelerate": "`corral run --launcher accelerate SCRIPT ARGS` runs `accelerate launch` on every node "
+                  "with the machine rank and main process address set",
+    "deepspeed": "`corral run --launcher deepspeed SCRIPT ARGS` runs DeepSpeed's per-node launcher "
+                 "(no pdsh, no hostfile needed)",
+    "python": "corral starts the script with each node's Python itself: `corral run SCRIPT ARGS` "
+              "(`corral run -m PKG.MODULE` for `python -m`; the interpreter is set per host in the cluster file)",
+}
+
+
+def _refuse_launcher_as_program(program: str, args: tuple[str, ...]) -> None:
+    """``corral run python train.py`` / ``corral run torchrun ... train.py``: say what to type.
+
+    Without this the mistake shows up only after connecting to every node,
+    as "python not found" with a hint to sync the project."""
+    if "/" in program or Path(program).is_file():
+        return  # a path (or a local file) is taken as given
+    word = "python" if re.fullmatch(r"python[\d.]*", program) else program
+    if word not in _LAUNCHER_HINTS:
+        return
+    script = next((a for a in args if a.endswith(".py")), None)
+    example = f" (here: `corral run {script} ...`)" if script and word in ("python", "torchrun") else ""
+    raise UsageError(f"PROGRAM is {program!r}: give the training script itself, not the launcher",
+                     hint=_LAUNCHER_HINTS[word] + example +
+                     "; to run an arbitrary command on every node use --launcher command")
 
 
 def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:

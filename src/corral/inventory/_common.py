@@ -180,7 +180,12 @@ def read_text(path: Path, *, label: str, what: str) -> str:
             hint="check the path; -c/--cluster takes a hostfile or a corral.toml",
         ) from None
     except IsADirectoryError:
-        raise InventoryError(f"{what} is a directory, not a file", path=label) from None
+        inside = [n for n in ("corral.toml", "hostfile") if (path / n).is_file()]
+        raise InventoryError(
+            f"{what} is a directory, not a file", path=str(path) if label in ("", ".") else label,
+            hint=f"-c/--cluster takes the file itself, e.g. -c {path / inside[0]}" if inside
+            else "-c/--cluster takes a hostfile or a corral.toml, not a directory",
+        ) from None
     except UnicodeDecodeError as err:
         raise InventoryError(f"{what} is not UTF-8 text ({err.reason})", path=label) from None
     except OSError as err:
