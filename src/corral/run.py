@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -421,6 +423,9 @@ class Runner:
             "args": list(self.spec.args),
             "master_addr": plan.master_addr,
             "control": str(self.control) if status == "running" else None,
+            # who writes this record: `corral runs` tells a run whose head died
+            # (SIGKILL, a crashed laptop) from one still running
+            "head": {"host": socket.gethostname(), "pid": os.getpid()},
             "master_port": plan.master_port,
             "world_size": plan.world_size,
             "cluster": {"source": self.cluster.source, "name": self.cluster.name},

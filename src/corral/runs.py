@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,27 @@ class RunRecord:
 
     @property
     def status(self) -> str:
-        return self.data.get("status", "unknown")
+        """As recorded; "died" for a "running" run whose head process on this
+        machine is gone (killed with SIGKILL: it could not write its end)."""
+        status = self.data.get("status", "unknown")
+        if status == "running" and _head_gone(self.data.get("head")):
+            return "died"
+        return status
+
+
+def _head_gone(head: object) -> bool:
+    if not isinstance(head, dict) or head.get("host") != socket.gethostname():
+        return False  # another machine's run (a shared runs/ directory): cannot tell
+    pid = head.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"corral" not in f.read()  # the pid was reused by something else
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 def list_runs(root: Path) -> list[RunRecord]:

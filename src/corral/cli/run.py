@@ -20,7 +20,7 @@ from corral.errors import UsageError
 from corral.launchers import PLANNERS
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, parse_env_flags
-from corral.run import PREWARMED, RunOptions, RunResult, Runner
+from corral.run import PREWARMED, Runner, RunOptions, RunResult
 
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
 

@@ -25,21 +25,23 @@ def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
     root = runs_dir or default_runs_dir(Path.cwd())
     records = list_runs(root)[:limit]
     if as_json:
-        click.echo(json.dumps([{"run_id": r.run_id, "dir": str(r.dir), **r.data} for r in records], indent=2))
+        click.echo(json.dumps([{"run_id": r.run_id, "dir": str(r.dir), **r.data, "status": r.status}
+                               for r in records], indent=2))
         return
     if not records:
         ui.notice(f"no runs in {root}")
         return
     table = Table(box=None)
     table.add_column("run", no_wrap=True)
-    for col in ("status", "launcher", "ranks", "took", "program", "first failure"):
-        table.add_column(col)
+    for col in ("status", "launcher", "ranks", "took", "program"):
+        table.add_column(col, no_wrap=True, overflow="ellipsis")
+    table.add_column("first failure", no_wrap=True, overflow="ellipsis")  # cut, never one word a line
     for r in records:
         d = r.data
         took = f"{d['ended'] - d['started']:.0f}s" if d.get("ended") and d.get("started") else "-"
         if r.status == "running" and d.get("started"):
             took = f"{time.time() - d['started']:.0f}s…"
-        color = {"succeeded": "green", "failed": "red", "running": "cyan"}.get(r.status, "yellow")
+        color = {"succeeded": "green", "failed": "red", "died": "red", "running": "cyan"}.get(r.status, "yellow")
         fail = (d.get("failure") or {}).get("description") or ""
         table.add_row(r.run_id, f"[{color}]{r.status}[/]", str(d.get("launcher", "")),
                       str(d.get("world_size", "")), took, escape(str(d.get("program", ""))), escape(fail[:60]))

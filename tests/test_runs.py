@@ -1,0 +1,77 @@
+"""`corral runs`: past and running runs, and runs whose head died."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from corral.runs import RunRecord, list_runs
+
+CORRAL = [sys.executable, "-m", "corral"]
+
+
+def _record(tmp_path: Path, head: dict | None) -> RunRecord:
+    d = tmp_path / "20260101-000000-abcd"
+    d.mkdir(exist_ok=True)
+    data = {"status": "running", "started": time.time()}
+    if head is not None:
+        data["head"] = head
+    (d / "run.json").write_text(json.dumps(data))
+    [r] = list_runs(tmp_path)
+    return r
+
+
+def test_running_run_whose_head_is_gone_is_shown_as_died(tmp_path: Path) -> None:
+    here = socket.gethostname()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert _record(tmp_path, {"host": here, "pid": gone.pid}).status == "died"
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "corral"])
+    try:
+        assert _record(tmp_path, {"host": here, "pid": alive.pid}).status == "running"
+    finally:
+        alive.kill()
+        alive.wait()
+    # a pid now used by something that is not corral: the head is gone too
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _record(tmp_path, {"host": here, "pid": other.pid}).status == "died"
+    finally:
+        other.kill()
+        other.wait()
+    # another machine's run (a shared runs/ directory), or an older record: as recorded
+    assert _record(tmp_path, {"host": here + "-elsewhere", "pid": gone.pid}).status == "running"
+    assert _record(tmp_path, None).status == "running"
+
+
+def test_head_killed_with_sigkill_shows_as_died(tmp_path: Path) -> None:
+    (tmp_path / "sleepy.py").write_text("import time\nprint('in user code', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen(CORRAL + ["run", "-n", "1", "--fresh-ranks", "sleepy.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if "in user code" in line:
+                break
+            assert time.monotonic() < deadline
+        listed = subprocess.run(CORRAL + ["runs", "--json"], cwd=tmp_path, capture_output=True, text=True, check=False)
+        assert [r["status"] for r in json.loads(listed.stdout)] == ["running"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        listed = subprocess.run(CORRAL + ["runs", "--json"], cwd=tmp_path, capture_output=True, text=True, check=False)
+        assert [r["status"] for r in json.loads(listed.stdout)] == ["died"]
+        shown = subprocess.run(CORRAL + ["runs"], cwd=tmp_path, capture_output=True, text=True, check=False)
+        assert "died" in shown.stdout
+    finally:
+        proc.kill()
+        proc.wait()
+        # the local agent sees its head's pipe close and stops the rank
+        deadline = time.monotonic() + 20
+        while subprocess.run(["pgrep", "-f", "sleepy.py"], capture_output=True, check=False).returncode == 0:
+            assert time.monotonic() < deadline, "the rank outlived its head"
+            time.sleep(0.2)
