@@ -42,6 +42,19 @@ def test_main_thread_is_found_and_ordered_outermost_first() -> None:
     assert [f.func for f in frames] == ["<module>", "outer", "in_allreduce"]
 
 
+def test_preloaded_ranks_show_the_scripts_frames_not_the_zygotes() -> None:
+    # A preloaded rank runs the script from the zygote's code (<string>); a
+    # `python -c` program is all <string> and keeps its frames.
+    dump = ("Thread 0x01 (most recent call first):\n"
+            '  File "/w/train.py", line 9 in read_shard\n'
+            '  File "/w/train.py", line 20 in <module>\n'
+            '  File "<string>", line 323 in run_script\n'
+            '  File "<string>", line 53 in <module>\n')
+    assert [(f.file, f.func) for f in main_stack(dump)] == [("/w/train.py", "<module>"),
+                                                            ("/w/train.py", "read_shard")]
+    assert [f.func for f in main_stack(real_dump("x"))] == ["<module>", "outer", "x"]
+
+
 def test_merge_groups_identical_stacks_and_singles_out_the_odd_rank() -> None:
     dumps = {r: real_dump("in_allreduce") for r in (0, 1, 2, 4, 5)}
     dumps[3] = real_dump("in_dataloader")

@@ -51,12 +51,21 @@ def parse_dump(text: str) -> list[list[Frame]]:
 
 
 def main_stack(text: str) -> list[Frame]:
-    """The thread running the script (its outermost frame is ``<module>``)."""
+    """The thread running the script (its outermost frame is ``<module>``).
+
+    A preloaded rank runs the script from the zygote's code (``<string>``):
+    those outermost frames are corral's, not the user's, and are dropped, so
+    a preloaded and a fresh rank show the same stack."""
     threads = parse_dump(text)
-    for t in threads:
-        if t and t[0].func == "<module>":
-            return t
-    return max(threads, key=len) if threads else []
+    stack = next((t for t in threads if t and t[0].func == "<module>"), None)
+    if stack is None:
+        stack = max(threads, key=len) if threads else []
+    start = 0
+    while start < len(stack) and stack[start].file == "<string>":
+        start += 1
+    if 0 < start < len(stack) and stack[start].func == "<module>":
+        return stack[start:]  # the script's own top level, under the zygote's frames
+    return stack
 
 
 @dataclass
