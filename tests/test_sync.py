@@ -174,6 +174,19 @@ def test_walk_outside_git_honours_gitignore_files_and_negation(tmp_path: Path) -
     }
 
 
+def test_run_logs_in_a_subdirectory_are_not_synced(tmp_path: Path) -> None:
+    # `corral run` started in data/ writes data/runs/<id>/...; a later sync
+    # from the project root must not copy those logs to every node, but a
+    # directory that merely happens to be called runs/ is the user's.
+    root = tmp_path / "plain"
+    for rel in ("a.py", "data/x.csv", "data/runs/20260101-000000-ab12/run.json",
+                "data/runs/20260101-000000-ab12/node1/rank0.log", "exp/runs/tb/events.out"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(rel)
+    units = filelist.build_units(root)
+    assert set(units[0].paths) == {"a.py", "data/x.csv", "exp/runs/tb/events.out"}
+
+
 def test_named_paths_narrow_the_project_and_an_ignored_dir_is_walked(tmp_path: Path) -> None:
     root = make_project(tmp_path / "p")
     units = filelist.build_units(root, ("data", "app.log", "src/util"))

@@ -149,7 +149,7 @@ def walk(root: Path, start: str, rules: IgnoreRules, *, gitignore: bool) -> list
             if os.path.islink(os.path.join(dirpath, d)):
                 if not rules.decide(rel, False):
                     out.append(rel)
-            elif not rules.decide(rel, True):
+            elif not rules.decide(rel, True) and not _is_runs_dir(Path(dirpath, d)):
                 keep_dirs.append(d)
         dirnames[:] = keep_dirs
         for f in filenames:
@@ -157,6 +157,18 @@ def walk(root: Path, start: str, rules: IgnoreRules, *, gitignore: bool) -> list
             if not rules.decide(rel, False):
                 out.append(rel)
     return sorted(out)
+
+
+def _is_runs_dir(path: Path) -> bool:
+    """corral's run logs (``runs/<run-id>/run.json``), wherever ``corral run``
+    was started: per-run, per-machine, never code.  ``/runs/`` in the default
+    excludes covers only the project root."""
+    if path.name != "runs":
+        return False
+    try:
+        return any((child / "run.json").is_file() for child in path.iterdir() if child.is_dir())
+    except OSError:
+        return False
 
 
 def _filter(paths: list[str], root: Path, rules: IgnoreRules) -> list[str]:
