@@ -74,3 +74,93 @@ def test_agent_calls_and_stops_its_whole_tree(tmp_path) -> None:
     finally:
         bystander.kill()
         bystander.wait()
+
+
+# ---------------------------------------------------------------------------
+# What the agent adds to a job's command and environment
+
+
+def test_torchrun_log_dir_goes_into_the_jobs_temp_dir() -> None:
+    from corral.agent.node import elastic_log_dir
+
+    argv = ["/py", "-m", "torch.distributed.run", "--nnodes=2", "train.py", "--log-dir", "mine"]
+    out = elastic_log_dir(list(argv), {}, "/t/job/elastic")
+    # right after the module: a --log-dir the user passes to torchrun (later) still wins,
+    # and the script's own --log-dir (after the script) is the script's
+    assert out == argv[:3] + ["--log-dir=/t/job/elastic"] + argv[3:]
+    env = {"PET_LOG_DIR": "/keep/mine"}
+    assert elastic_log_dir(list(argv), env, "/t/job/elastic") == argv  # torchrun reads it itself
+    other = ["/py", "-u", "-m", "deepspeed.launcher.launch", "x.py"]
+    assert elastic_log_dir(list(other), {}, "/t") == other
+    assert elastic_log_dir(["bash", "-c", "true"], {}, "/t") == ["bash", "-c", "true"]
+
+
+def test_accelerate_log_dir_flag_or_torchruns_variable(monkeypatch) -> None:
+    from corral.agent import node
+
+    argv = ["/py", "-m", "accelerate.commands.launch", "--multi_gpu", "train.py"]
+    monkeypatch.setattr(node, "_accelerate_has_log_dir", lambda: True)
+    assert node.elastic_log_dir(list(argv), {}, "/t/e") == argv[:3] + ["--log_dir=/t/e"] + argv[3:]
+    # accelerate < 0.31 has no --log_dir and passes torchrun's PET_* defaults through
+    monkeypatch.setattr(node, "_accelerate_has_log_dir", lambda: False)
+    env: dict = {}
+    assert node.elastic_log_dir(list(argv), env, "/t/e") == argv and env == {"PET_LOG_DIR": "/t/e"}
+
+
+def test_this_accelerate_takes_log_dir() -> None:
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("accelerate is not installed")
+    from corral.agent.node import _accelerate_has_log_dir
+
+    assert _accelerate_has_log_dir()
+
+
+def test_configured_python_is_first_on_path() -> None:
+    from corral.agent.node import activate_python
+
+    env = {"CORRAL_PYTHON": "/opt/venv/bin/python", "PATH": "/usr/bin:/bin"}
+    activate_python(env)
+    assert env["PATH"] == "/opt/venv/bin:/usr/bin:/bin"
+    activate_python(env)  # idempotent
+    assert env["PATH"] == "/opt/venv/bin:/usr/bin:/bin"
+    env = {"CORRAL_PYTHON": "/usr/bin/python3", "PATH": "/usr/local/bin:/usr/bin"}
+    activate_python(env)  # already there: system directories are not reordered
+    assert env["PATH"] == "/usr/local/bin:/usr/bin"
+    env = {"CORRAL_PYTHON": "python3", "PATH": "/usr/bin"}
+    activate_python(env)  # a bare name: nothing to put first
+    assert env["PATH"] == "/usr/bin"
+
+
+def test_job_temp_dir_and_its_parent_are_removed_at_the_end(tmp_path, monkeypatch) -> None:
+    """The agent's own tmp root goes too when the job created it; another job's never."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    root = tmp_path / f"corral-{os.getuid()}"
+    events: list[dict] = []
+
+    async def job(tag: str, code: str) -> None:
+        pool = AgentPool(_local(), tag=tag, on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            await pool.sessions[0].send(op="start", spec={
+                "argv": [sys.executable, "-c", code], "env": {}, "cwd": str(tmp_path),
+                "hook_source": "", "tag": tag})
+            for _ in range(200):
+                if any(e.get("ev") == "exit" for e in events):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await pool.close()
+
+    code = "import os; print(sorted(os.listdir(os.path.dirname(os.environ['CORRAL_LOG_DIR']))))"
+    asyncio.run(job("r1-1", code))
+    assert [e["t"] for e in events if e.get("ev") == "line"] == ["['hook', 'logs']"]
+    assert list(tmp_path.iterdir()) == []
+    # A root that was there before (another job's directory in it) stays, with what is in it.
+    (root / "other-job").mkdir(parents=True)
+    events.clear()
+    asyncio.run(job("r2-1", "pass"))
+    assert [p.name for p in root.iterdir()] == ["other-job"]

@@ -62,15 +62,43 @@ def leftovers(sandbox, node: str) -> list[str]:
     return rest
 
 
+#: /tmp of every node before this module's first run (the nodes' /tmp is private).
+_TMP_BEFORE: dict[str, set[str]] = {}
+
+
+def node_tmp(sandbox, node: str) -> set[str]:
+    # torch's own compile cache (created empty by some torch imports) is shared by
+    # every run of the user and kept on purpose (docs/run.md, "Run directory").
+    out = sandbox.exec(node, ["ls", "-A", "/tmp"]).stdout.split()
+    return {name for name in out if not name.startswith("torchinductor_")}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tmp_before(sandbox):
+    for node in sandbox.nodes:
+        _TMP_BEFORE[node] = node_tmp(sandbox, node)
+    yield
+
+
+def tmp_leftovers(sandbox, node: str) -> list[str]:
+    """What a run left in the node's /tmp (torchelastic_*, corral-<uid>, ...)."""
+    return sorted(node_tmp(sandbox, node) - _TMP_BEFORE.get(node, set()))
+
+
 def assert_clean(sandbox, within: float, nodes: list[str] | None = None) -> None:
+    """No process of the run, and nothing new in /tmp, on any node."""
     deadline = time.monotonic() + within
     while True:
         left = {n: leftovers(sandbox, n) for n in (nodes or sandbox.nodes)}
         left = {n: p for n, p in left.items() if p}
-        if not left:
+        files = {n: tmp_leftovers(sandbox, n) for n in (nodes or sandbox.nodes)}
+        files = {n: f for n, f in files.items() if f}
+        if not left and not files:
             return
         if time.monotonic() > deadline:
-            pytest.fail(f"processes of the run left on {left}")
+            if left:
+                pytest.fail(f"processes of the run left on {left}")
+            pytest.fail(f"files of the run left in /tmp on {files}")
         time.sleep(0.5)
 
 
@@ -343,6 +371,47 @@ def test_missing_workdir_on_one_node(sandbox, workdir: Path) -> None:
     finally:
         for node in sandbox.nodes[:3]:
             sandbox.exec(node, ["rm", "-rf", proj])
+    assert_clean(sandbox, within=5)
+
+
+def test_edited_script_on_some_nodes_is_named(sandbox, workdir: Path) -> None:
+    # Each node has its own copy in a node-private directory, as after an earlier sync;
+    # the one here was edited since and two nodes still have the old one.
+    proj = f"/srv/stale-{os.getpid()}"
+    old = write(workdir / "old.py", 'print("old copy")\n')
+    new = write(workdir / "train.py", 'print("new copy")\n')  # same size: told apart by sha256
+    stale = sandbox.nodes[1:3]
+    for node in sandbox.nodes:
+        sandbox.exec(node, ["mkdir", "-p", proj])
+        sandbox.exec(node, ["cp", str(old if node in stale else new), f"{proj}/train.py"])
+    try:
+        res = corral(sandbox, ["--workdir", proj, "--launcher", "command", "train.py"], workdir, timeout=60)
+        assert res.returncode == 0, res.stderr[-3000:]  # a warning, not a failure
+        assert f"train.py on {', '.join(stale)} is not the same as here" in res.stderr, res.stderr
+        assert "corral sync" in res.stderr
+        assert res.stdout.count("old copy") == 2 and res.stdout.count("new copy") == 2
+        # The script in the shared directory is the same file on every node: no warning.
+        res = corral(sandbox, ["--launcher", "command", "train.py"], workdir, timeout=60)
+        assert res.returncode == 0 and "not the same" not in res.stderr, res.stderr[-3000:]
+    finally:
+        for node in sandbox.nodes:
+            sandbox.exec(node, ["rm", "-rf", proj])
+    assert_clean(sandbox, within=5)
+
+
+def test_command_launcher_runs_the_configured_python_and_shows_its_last_lines(sandbox, workdir: Path) -> None:
+    # The cluster's `python` (a venv the nodes do not have on PATH) is CORRAL_PYTHON and
+    # first on PATH; a node's failing command is summarized with what it last wrote.
+    script = ('echo "py=$(command -v python) $CORRAL_PYTHON"; '
+              'python -c "import sys; sys.stderr.write(\'no data on rank %s\\n\' % sys.argv[1])" $RANK; '
+              'if [ "$RANK" = 2 ]; then exit 4; fi; sleep 30')
+    res = corral(sandbox, ["--launcher", "command", "bash", "-c", script], workdir, timeout=90)
+    assert res.returncode == 4, res.stderr[-3000:]
+    node3 = sandbox.nodes[2]
+    assert f"[{node3}/r2] py={sys.executable} {sys.executable}" in res.stdout, res.stdout
+    assert f"rank 2 on {node3} exited with code 4" in res.stderr, res.stderr[-3000:]
+    summary = res.stderr[res.stderr.index("last lines of"):]
+    assert "no data on rank 2" in summary, res.stderr[-3000:]
     assert_clean(sandbox, within=5)
 
 

@@ -160,8 +160,9 @@ PROBE = """
     facts["sum"] = t.item()
     dist.destroy_process_group()
     # What differs from run to run, not between preloaded and fresh ranks:
-    text = json.dumps(facts, sort_keys=True).replace(os.environ["CORRAL_RUN_ID"], "<run>")
-    text = text.replace(os.environ["TORCHELASTIC_ERROR_FILE"], "<error-file>")
+    # (the error file is in the job's directory, whose name has the run id: replaced first)
+    text = json.dumps(facts, sort_keys=True).replace(os.environ["TORCHELASTIC_ERROR_FILE"], "<error-file>")
+    text = text.replace(os.environ["CORRAL_RUN_ID"], "<run>")
     print("FACTS " + text.replace('"' + os.environ["MASTER_PORT"] + '"', '"<port>"'))
     if os.environ["RANK"] == "1":
         raise SystemExit(int(sys.argv[1]))

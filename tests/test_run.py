@@ -233,3 +233,121 @@ def test_max_restarts_reruns_the_job(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert marker.read_text() == "xx"
     assert "restarting the job" in res.stdout
+
+
+# ---------------------------------------------------------------------------
+# What a run leaves on its node, and what it finds there
+
+
+def tmp_listing(tmp: Path) -> list[str]:
+    return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*"))
+
+
+@pytest.fixture
+def node_tmp():
+    """A private, short $TMPDIR for the run (the head's control socket lives there too,
+    and a unix socket path must stay under 108 bytes)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="crt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_node_temp_files_are_removed_after_failure_and_restart(tmp_path: Path, node_tmp: Path,
+                                                               launcher: str) -> None:
+    # torchrun (also inside `accelerate launch`) would leave /tmp/torchelastic_*/none_*/attempt_0/<rank>
+    # behind after every run; the agent gives it the job's own directory instead, which goes at the end.
+    before = tmp_listing(node_tmp)
+    marker = tmp_path / "attempts"
+    write(tmp_path / "flaky.py", f"""
+        import os, sys
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        err = os.environ["TORCHELASTIC_ERROR_FILE"]
+        print("error file", err.startswith(os.environ["CORRAL_LOG_DIR"].rsplit("/", 1)[0] + "/elastic/"))
+        if dist.get_rank() == 0:
+            with open({str(marker)!r}, "a") as f:
+                f.write("x")
+        dist.barrier()
+        if len(open({str(marker)!r}).read()) < 2 and dist.get_rank() == 1:
+            sys.exit(5)  # the first attempt fails
+        dist.barrier()
+        dist.destroy_process_group()
+    """)
+    res = corral(["run", "--launcher", launcher, "--max-restarts", "1", "flaky.py"], tmp_path,
+                 env={**os.environ, "TMPDIR": str(node_tmp)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "restarting the job" in res.stdout and res.stdout.count("error file True") == 4, res.stdout[-3000:]
+    # What remains is the head's own control-socket directory (this machine is the head too).
+    uid = os.getuid()
+    assert tmp_listing(node_tmp) == before + [f"corral-{uid}", f"corral-{uid}/ctl"]
+
+
+def test_ctrl_c_leaves_no_node_temp_files(tmp_path: Path, node_tmp: Path) -> None:
+    write(tmp_path / "loop.py", """
+        import time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen(CORRAL + ["run", "loop.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(node_tmp)})
+    try:
+        seen = 0
+        for line in proc.stdout:
+            seen += "ready" in line
+            if seen == 2:
+                break
+        assert any(p.name.startswith("torchelastic_") or p.name == "elastic" for p in node_tmp.rglob("*"))
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        assert proc.returncode == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    uid = os.getuid()
+    assert tmp_listing(node_tmp) == [f"corral-{uid}", f"corral-{uid}/ctl"]
+
+
+def _local_cluster(path: Path, **host: str) -> Path:
+    lines = ['[[hosts]]', 'name = "localhost"'] + [f'{k} = "{v}"' for k, v in host.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_command_launcher_gets_the_configured_python(tmp_path: Path) -> None:
+    cluster = _local_cluster(tmp_path / "corral.toml", python=sys.executable)
+    venv_bin = os.path.dirname(sys.executable)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p.rstrip("/") != venv_bin)
+    res = corral(["run", "-c", str(cluster), "--launcher", "command", "bash", "-c",
+                  'echo "python=$CORRAL_PYTHON"; echo "found=$(command -v python)"'],
+                 tmp_path, env={**os.environ, "PATH": path})
+    assert res.returncode == 0, res.stderr
+    assert f"python={sys.executable}" in res.stdout
+    assert f"found={venv_bin}/python" in res.stdout, res.stdout
+    # ... and --dry-run shows it, for every launcher.
+    for launcher in ("command", "torchrun"):
+        res = corral(["run", "-c", str(cluster), "--dry-run", "--json", "--launcher", launcher, "x.py"], tmp_path)
+        assert json.loads(res.stdout)["nodes"][0]["env"]["CORRAL_PYTHON"] == sys.executable
+
+
+def test_a_node_with_another_copy_of_the_script_is_named(tmp_path: Path) -> None:
+    # The node's working directory holds its own copy (as after an earlier `corral sync`);
+    # the script here was edited since.  A warning, not a failure.
+    head, node = tmp_path / "head", tmp_path / "node"
+    head.mkdir(), node.mkdir()
+    write(node / "train.py", 'print("old copy")\n')
+    write(head / "train.py", 'print("new copy")\n')
+    cluster = _local_cluster(tmp_path / "corral.toml", python=sys.executable, workdir=str(node))
+    res = corral(["run", "-c", str(cluster), "--launcher", "command", "train.py"], head)
+    assert res.returncode == 0, res.stderr
+    assert "old copy" in res.stdout
+    assert "train.py on localhost is not the same as here" in res.stderr and "--sync" in res.stderr
+    write(node / "train.py", 'print("new copy")\n')
+    res = corral(["run", "-c", str(cluster), "--launcher", "command", "train.py"], head)
+    assert res.returncode == 0 and "not the same" not in res.stderr, res.stderr

@@ -2,7 +2,8 @@
 
 ``preflight`` asks every node, in one round trip, for what a launch needs
 (working directory, script, the launcher's Python module, GPUs, addresses, a
-free port on node 0) and reports *every* problem on *every* node at once.
+free port on node 0) and reports *every* problem on *every* node at once; a
+node whose script differs from this machine's copy is named in a warning.
 ``choose_master`` then proves an address of node 0 is reachable: node 0
 listens on the chosen port and every other node connects to it, so a
 firewall or a wrong network is an error naming the node before torchrun
@@ -12,15 +13,20 @@ would hang on it for minutes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
+import logging
+import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from corral.agent.session import AgentPool, AgentSession
 from corral.errors import HostError, PreflightError
 from corral.launchers import REQUIRES
 from corral.model import Cluster, Host
 from corral.plan import RunSpec
+
+log = logging.getLogger(__name__)
 
 
 def _needs_path_check(spec: RunSpec) -> bool:
@@ -31,18 +37,50 @@ def _workdir(spec: RunSpec, cluster: Cluster, host: Host, head_cwd: str) -> str:
     return spec.workdir or cluster.workdir_for(host) or head_cwd
 
 
-async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: str) -> dict[str, dict]:
-    """One round trip per node; every problem on every node in one error."""
+def local_digest(path: str) -> list | None:
+    """[size, sha256] of this machine's copy of a script, or None when there is none."""
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > 64 << 20:
+            return None  # no local copy (or not a script): nothing to compare
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return [len(data), hashlib.sha256(data).hexdigest()]
+
+
+def stale_script_warning(program: str, nodes: list[str]) -> str:
+    return (f"{program} on {', '.join(nodes)} is not the same as here (edited since the last sync?): "
+            f"{'that node runs its' if len(nodes) == 1 else 'those nodes run their'} copy, not this one; "
+            "`corral run --sync ...` (or `corral sync`) copies the project first")
+
+
+async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: str,
+                    *, warn: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """One round trip per node; every problem on every node in one error.
+
+    The script on each node is also compared with this machine's copy (size,
+    then sha256): nodes with another one are named through ``warn`` (default:
+    a logged warning), since they would run it instead of the local edits.
+    On a shared filesystem it is the same file.
+    """
     required = REQUIRES[spec.launcher]
     first = cluster.hosts[0].name
+    paths = [spec.program] if _needs_path_check(spec) else []
+    local = os.path.join(head_cwd, spec.program) if paths else None
+    digest = local_digest(local) if local else None
+    compare = {spec.program: digest} if digest else None
 
     def args_for(s: AgentSession) -> dict:
-        return {
+        args = {
             "workdir": _workdir(spec, cluster, s.host, head_cwd),
-            "paths": [spec.program] if _needs_path_check(spec) else [],
+            "paths": paths,
             "modules": [required] if required else [],
             "want_port": s.name == first and spec.master_port is None,
         }
+        if compare:
+            args["compare"] = compare
+        return args
 
     results = await pool.call_all("probes.preflight", args_for, timeout=30)
     problems: list[HostError] = []
@@ -70,6 +108,9 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
                     kind="no-module"))
     if problems:
         raise PreflightError(problems, what="preflight")
+    stale = [s.name for s in pool.sessions if spec.program in (results[s.name].get("differs") or [])]
+    if stale:
+        (warn or log.warning)(stale_script_warning(spec.program, stale))
     return results
 
 

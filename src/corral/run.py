@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from corral import ui
 from corral.agent.bundle import hook_source, preload_modules
 from corral.agent.session import AgentPool, AgentSession
 from corral.control import collect_stacks, control_path, serve
@@ -250,7 +251,7 @@ class Runner:
                 preload = preload_modules() if self.spec.preload else None
                 await asyncio.gather(*(s.send(op="prewarm", python=s.host.python, module=module, elastic=True,
                                               preload_modules=preload) for s in pool.sessions))
-            probes = await preflight(pool, self.cluster, self.spec, self.head_cwd)
+            probes = await preflight(pool, self.cluster, self.spec, self.head_cwd, warn=ui.notice)
             port = self.spec.master_port or probes[pool.sessions[0].name].get("port")
             master = await choose_master(pool, probes, int(port))
             facts = {

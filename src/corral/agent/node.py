@@ -151,6 +151,70 @@ DEFAULT_HEAD_TIMEOUT_S = 10.0
 
 
 # --------------------------------------------------------------------------
+# What the job's environment and command get on the node
+
+#: torchrun's elastic agent (also inside ``accelerate launch``) writes its
+#: workers' error files under ``--log-dir``; without one it takes a fresh
+#: ``mkdtemp("torchelastic_")`` and never removes it.  The option each
+#: launcher module takes:
+ELASTIC_LOG_DIR_FLAGS = {
+    "torch.distributed.run": "--log-dir",
+    "accelerate.commands.launch": "--log_dir",
+}
+
+
+def _accelerate_has_log_dir() -> bool:
+    """Whether this node's accelerate launch takes ``--log_dir`` (0.31+).
+
+    Read from its source without importing it (that would import torch)."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("accelerate")
+        if spec is None or not spec.origin:
+            return False
+        with open(os.path.join(os.path.dirname(spec.origin), "commands", "launch.py")) as f:
+            return '"--log_dir"' in f.read()
+    except (ImportError, OSError, ValueError):
+        return False
+
+
+def elastic_log_dir(argv: list, env: dict, path: str) -> list:
+    """``argv`` with torchrun's log directory in the job's temporary directory.
+
+    The option goes right after the module, so a ``--log-dir`` the user gave
+    (``--launcher-arg``) comes later and wins; a ``PET_LOG_DIR`` in the job's
+    environment is kept too.  For an accelerate without ``--log_dir`` (older
+    than 0.31, which passes torchrun's defaults through), ``PET_LOG_DIR``.
+    """
+    module = argv[2] if len(argv) > 2 and argv[1] == "-m" else None
+    flag = ELASTIC_LOG_DIR_FLAGS.get(module)
+    if flag is None or env.get("PET_LOG_DIR"):
+        return argv
+    if module == "accelerate.commands.launch" and not _accelerate_has_log_dir():
+        env["PET_LOG_DIR"] = path
+        return argv
+    return argv[:3] + ["%s=%s" % (flag, path)] + argv[3:]
+
+
+def activate_python(env: dict) -> None:
+    """Put the configured interpreter's directory first on ``PATH``, as activating its venv would.
+
+    ``CORRAL_PYTHON`` is the host's ``python`` from the cluster file; a bare
+    name (``python3``) or a directory already on ``PATH`` changes nothing.
+    """
+    python = env.get("CORRAL_PYTHON") or ""
+    if not os.path.isabs(python):
+        return
+    bindir = os.path.dirname(python)
+    path = env.get("PATH") or os.defpath
+    parts = [p.rstrip("/") or "/" for p in path.split(os.pathsep)]
+    if bindir.rstrip("/") in parts:
+        return
+    env["PATH"] = bindir + os.pathsep + path
+
+
+# --------------------------------------------------------------------------
 # The agent
 
 
@@ -168,6 +232,7 @@ class Agent:
         self.prewarmed = None
         self.prewarmed_argv: list = []
         self.workdir_tmp = None
+        self.tmp_root = None
         self.keep_tmp = False
         self.stopping = False
         self.done = threading.Event()
@@ -212,26 +277,24 @@ class Agent:
             return
         spec = msg["spec"]
         self.stopping = False
-        tmp = spec.get("tmp_dir") or os.path.join(
-            tempfile.gettempdir(), "corral-%d" % os.getuid(), spec.get("tag", "run")
-        )
         self.keep_tmp = bool(spec.get("keep_tmp"))
-        log_dir = os.path.join(tmp, "logs")
-        hook_dir = os.path.join(tmp, "hook")
         try:
-            os.makedirs(log_dir, mode=0o700, exist_ok=True)
-            os.makedirs(hook_dir, mode=0o700, exist_ok=True)
+            tmp = self.make_tmp(spec)
+            log_dir = os.path.join(tmp, "logs")
+            hook_dir = os.path.join(tmp, "hook")
             with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as f:
                 f.write(spec["hook_source"])
         except OSError as e:
-            self.chan.send(ev="fatal", t="cannot create %s: %s" % (tmp, e))
+            self.chan.send(ev="fatal", t="cannot create %s: %s" % (self.workdir_tmp, e))
+            self.cleanup_tmp()
             return
-        self.workdir_tmp = tmp
         env = dict(os.environ)
         env.update(spec.get("env", {}))
         old_pp = env.get("PYTHONPATH")
         env["PYTHONPATH"] = hook_dir + (os.pathsep + old_pp if old_pp else "")
         env["CORRAL_LOG_DIR"] = log_dir
+        activate_python(env)
+        spec = dict(spec, argv=elastic_log_dir(list(spec["argv"]), env, os.path.join(tmp, "elastic")))
         self.proc = self.take_prewarmed(spec, env, hook_dir)
         if self.proc is None:
             try:
@@ -247,6 +310,7 @@ class Agent:
                 )
             except OSError as e:
                 self.chan.send(ev="exit", code=127, sig=None, error="cannot start %s: %s" % (spec["argv"][0], e))
+                self.cleanup_tmp()
                 return
         pipe_rank = spec.get("pipe_rank")
         self.pipe_relays = []
@@ -361,10 +425,53 @@ class Agent:
         self.proc = None
         self.cleanup_tmp()
 
+    def make_tmp(self, spec: dict) -> str:
+        """The job's own temporary directory, ``$TMPDIR/corral-<uid>/<run-id>-<attempt>``.
+
+        Everything the job leaves on the node goes there (rank files, the
+        rank hook, torchrun's log directory) and it is removed when the job
+        ends.  ``corral-<uid>`` is removed too when this job created it and
+        nothing else is in it (another job's directory, the head's control
+        sockets on the head's own machine).
+        """
+        self.tmp_root = None
+        tmp = spec.get("tmp_dir")
+        if not tmp:
+            root = os.path.join(tempfile.gettempdir(), "corral-%d" % os.getuid())
+            tmp = os.path.join(root, spec.get("tag", "run"))
+            self.workdir_tmp = tmp
+            for _ in range(3):  # another job may remove an empty root between our mkdirs
+                try:
+                    os.mkdir(root, 0o700)
+                    self.tmp_root = root
+                except FileExistsError:
+                    pass
+                try:
+                    os.mkdir(tmp, 0o700)
+                    break
+                except FileExistsError:
+                    break  # this job's own (same run id and attempt)
+                except FileNotFoundError:
+                    continue
+            else:
+                os.mkdir(tmp, 0o700)  # raises with the reason
+        else:
+            self.workdir_tmp = tmp
+            os.makedirs(tmp, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.join(tmp, "logs"), mode=0o700, exist_ok=True)
+        os.makedirs(os.path.join(tmp, "hook"), mode=0o700, exist_ok=True)
+        return tmp
+
     def cleanup_tmp(self) -> None:
         if self.workdir_tmp and not self.keep_tmp:
             shutil.rmtree(self.workdir_tmp, ignore_errors=True)
+            if self.tmp_root:
+                try:
+                    os.rmdir(self.tmp_root)  # only when empty: never another job's files
+                except OSError:
+                    pass
         self.workdir_tmp = None
+        self.tmp_root = None
 
     def shutdown(self) -> None:
         if self.proc is not None:

@@ -89,8 +89,27 @@ def _importable(name: str) -> bool:
         return False
 
 
-def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=()) -> dict:
-    """Everything the head needs to plan a launch, in one round trip."""
+def _differs(path, size, sha256) -> bool:
+    """Whether the file at ``path`` is not ``size`` bytes with this sha256 (hashed only when the size matches)."""
+    import hashlib
+
+    try:
+        if os.path.getsize(path) != size:
+            return True
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest() != sha256
+    except OSError:
+        return False  # missing or unreadable: reported (or not) as such, not as different
+
+
+def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(), compare=None) -> dict:
+    """Everything the head needs to plan a launch, in one round trip.
+
+    ``compare`` is ``{path: [size, sha256]}`` of the head's copies of files in
+    ``paths``; the ones whose copy here differs are listed in ``differs``."""
     result = {
         "hostname": socket.gethostname(),
         "python": sys.version.split()[0],
@@ -102,6 +121,7 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=())
         "missing": [],
         "modules": {m: _importable(m) for m in modules},
         "env": {k: os.environ[k] for k in env_names if k in os.environ},
+        "differs": [],
     }
     base = None
     if workdir:
@@ -112,6 +132,8 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=())
         full = p if os.path.isabs(p) or base is None else os.path.join(base, p)
         if not os.path.exists(full):
             result["missing"].append(p)
+        elif compare and p in compare and _differs(full, *compare[p]):
+            result["differs"].append(p)
     if want_port:
         result["port"] = free_port()
     return result

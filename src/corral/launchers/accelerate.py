@@ -12,7 +12,7 @@ Anything else (mixed precision, a DeepSpeed/FSDP config file) goes through
 
 from __future__ import annotations
 
-from corral.launchers.base import NodeCommand, NodeContext
+from corral.launchers.base import NodeCommand, NodeContext, node_env
 
 
 def plan(ctx: NodeContext) -> NodeCommand:
@@ -24,7 +24,7 @@ def plan(ctx: NodeContext) -> NodeCommand:
         "--main_process_ip", ctx.master_addr,
         "--main_process_port", str(ctx.master_port),
     ]
-    env: dict[str, str] = {}
+    env = node_env(ctx)
     if ctx.world_size > 1:
         # --multi_gpu is accelerate's multi-process mode (it starts the local
         # ranks through torchrun); on CPU-only nodes ACCELERATE_USE_CPU makes

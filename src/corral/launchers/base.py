@@ -56,6 +56,13 @@ class NodeCommand:
     pipe_rank: int | None = None
 
 
+def node_env(ctx: NodeContext, **extra: str) -> dict[str, str]:
+    """What every launcher sets on its node: ``CORRAL_PYTHON``, the host's
+    configured interpreter (the agent also puts its directory first on
+    ``PATH``, as activating its venv would), and the launcher's own ``extra``."""
+    return {"CORRAL_PYTHON": ctx.python, **extra}
+
+
 def program_argv(ctx: NodeContext) -> list[str]:
     """``script.py args`` or ``-m module args``, as launchers forward them."""
     if ctx.module:

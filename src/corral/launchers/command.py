@@ -2,12 +2,14 @@
 
 For scripts that do their own process management (or none): RANK is the
 node rank, WORLD_SIZE the number of nodes, LOCAL_RANK 0.  A ``.py`` program
-runs with the node's interpreter; anything else is executed as is.
+runs with the node's interpreter; anything else is executed as is, with that
+interpreter as ``CORRAL_PYTHON`` and its directory first on ``PATH`` (the
+agent puts it there), so ``bash -c 'python x.py'`` runs the configured one.
 """
 
 from __future__ import annotations
 
-from corral.launchers.base import NodeCommand, NodeContext, program_argv
+from corral.launchers.base import NodeCommand, NodeContext, node_env, program_argv
 
 
 def plan(ctx: NodeContext) -> NodeCommand:
@@ -15,10 +17,11 @@ def plan(ctx: NodeContext) -> NodeCommand:
         argv = [ctx.python, *program_argv(ctx)]
     else:
         argv = [ctx.program, *ctx.args]
-    env = {
-        "RANK": str(ctx.node_rank),
-        "WORLD_SIZE": str(ctx.nnodes),
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
-    }
+    env = node_env(
+        ctx,
+        RANK=str(ctx.node_rank),
+        WORLD_SIZE=str(ctx.nnodes),
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+    )
     return NodeCommand(argv=tuple(argv), env=env, pipe_rank=ctx.node_rank)

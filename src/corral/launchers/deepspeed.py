@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import json
 
-from corral.launchers.base import NodeCommand, NodeContext
+from corral.launchers.base import NodeCommand, NodeContext, node_env
 
 
 def world_info(hostnames: tuple[str, ...], nproc: int) -> str:
@@ -32,4 +32,4 @@ def plan(ctx: NodeContext) -> NodeCommand:
     if ctx.module:
         argv.append("--module")
     argv += [ctx.program, *ctx.args]
-    return NodeCommand(argv=tuple(argv))
+    return NodeCommand(argv=tuple(argv), env=node_env(ctx))

@@ -8,10 +8,10 @@ rank 0, so its own output is that rank's output.
 
 from __future__ import annotations
 
-from corral.launchers.base import NodeCommand, NodeContext, program_argv
+from corral.launchers.base import NodeCommand, NodeContext, node_env, program_argv
 
 
 def plan(ctx: NodeContext) -> NodeCommand:
     argv = [ctx.python, *ctx.launcher_args, *program_argv(ctx)]
-    env = {"WORLD_SIZE": str(ctx.world_size)}
+    env = node_env(ctx, WORLD_SIZE=str(ctx.world_size))
     return NodeCommand(argv=tuple(argv), env=env, pipe_rank=ctx.first_rank)

@@ -8,7 +8,7 @@ are off.
 
 from __future__ import annotations
 
-from corral.launchers.base import NodeCommand, NodeContext, program_argv
+from corral.launchers.base import NodeCommand, NodeContext, node_env, program_argv
 
 
 def plan(ctx: NodeContext) -> NodeCommand:
@@ -23,4 +23,4 @@ def plan(ctx: NodeContext) -> NodeCommand:
         *ctx.launcher_args,
     ]
     argv += program_argv(ctx)
-    return NodeCommand(argv=tuple(argv))
+    return NodeCommand(argv=tuple(argv), env=node_env(ctx))
