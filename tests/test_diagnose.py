@@ -139,6 +139,41 @@ def test_rendezvous_store_that_closed_is_not_an_unreachable_address():
     assert "store-unreachable" not in [d.rule_id for d in diags]
 
 
+@pytest.mark.parametrize(
+    ("text", "step"),
+    [
+        ("old_launch.py: error: the following arguments are required: --local_rank/--local-rank",
+         "The script requires --local_rank/--local-rank on its command line, but its launcher passed none"),
+        ("main.py: error: the following arguments are required: --config, --local_rank",
+         "The script requires --local_rank on its command line"),
+        ("train.py: error: unrecognized arguments: --local-rank=0",
+         "The launcher passed --local-rank=N and the script's parser does not accept that spelling"),
+        ("train.py: error: unrecognized arguments: --fp16 --local_rank=3",
+         "The launcher passed --local_rank=N"),
+    ],
+)
+def test_local_rank_argument_says_which_way_round(text, step):
+    (top,) = diagnose_text(text)
+    assert top.rule_id == "local-rank-argument"
+    assert top.fix[0].startswith(step)
+    assert any("os.environ['LOCAL_RANK']" in f for f in top.fix)
+    assert any("--launcher deepspeed" in f for f in top.fix)
+
+
+def test_other_argparse_errors_are_not_a_local_rank_problem():
+    assert diagnose_text("train.py: error: the following arguments are required: --config\n"
+                         "train.py: error: unrecognized arguments: --local-batch=4\n") == []
+
+
+def test_nccl_without_cuda_says_to_fall_back_to_gloo():
+    top = diagnose_path(FIXTURES / "nccl-backend-unavailable.2.log")[0]
+    assert top.rule_id == "nccl-backend-unavailable"
+    assert "backend='nccl' if torch.cuda.is_available() else 'gloo'" in top.fix[0]
+    # the existing rule for a collective before init_process_group stays separate
+    assert diagnose_text("RuntimeError: Default process group has not been initialized, please make "
+                         "sure to call init_process_group.")[0].rule_id == "process-group-not-initialized"
+
+
 def test_docs_list_every_rule():
     text = DOCS.read_text(encoding="utf-8")
     missing = [r.id for r in RULES if f"`{r.id}`" not in text]
@@ -175,6 +210,7 @@ fix = ["f"]
         (lambda s: s.replace("['boom']", "[{ re = 'boom (?P<joined>\\d+)', check = 'joined_above_expected' }]"),
          "reads group(s) expected"),
         (lambda s: s + '[[rule.refine]]\nfix = "x"\nlast = "yes"\n', "must be true or false"),
+        (lambda s: s.replace('fix = ["f"]', 'fix = ["f"]\nsymptom = "yes"'), "'symptom' must be true or false"),
     ],
 )
 def test_bad_rules_are_rejected_naming_the_entry(tmp_path, edit, message):
@@ -463,6 +499,9 @@ def test_run_dir_attributes_causes_to_host_and_rank(tmp_path):
     assert "GLOO_SOCKET_IFNAME=eth0 for node2" in first.fix[0]
     echo = next(d for d in rest if d.rule_id == "peer-process-exited")
     assert echo.host == "node1" and echo.rank == 0
+    # the echo on another rank is a consequence of the first failure, listed after the causes
+    assert echo.symptom and echo.consequence and not first.consequence
+    assert report.diagnoses[-1] is echo
 
 
 def test_real_sandbox_run_names_the_node_with_the_bad_interface():
@@ -488,6 +527,117 @@ def test_first_failing_rank_comes_first_even_with_lower_confidence(tmp_path):
     (run / "node1" / "rank1.log").write_text(fixture("nccl-system-error.log"))  # 0.9
     ids = [d.rule_id for d in diagnose_path(run)]
     assert ids[:2] == ["host-oom-killed", "nccl-system-error"]
+
+
+# A real 3-node run (corral run, torchrun launcher, gloo): rank 3 raised a
+# KeyError in the user's code, the others lost their peer.
+KEYERROR_RUN = FIXTURES / "run-keyerror-rank3"
+# A real 3-node run with --hang-timeout: rank 4 stuck reading a shard, the rest in all_reduce.
+HANG_RUN = FIXTURES / "run-hang-rank4"
+
+
+def test_first_failing_ranks_own_exception_comes_first():
+    report = diagnose_run(KEYERROR_RUN)
+    fe = report.first_error
+    assert fe.summary == "rank 3 on h1n2 failed first: KeyError: 'batch_size' (crash_rank3.py:9)"
+    assert (fe.type, fe.message, fe.func, fe.line) == ("KeyError", "'batch_size'", "load_batch", 9)
+    assert (fe.log, fe.log_line) == ("h1n2/rank3.log", 11)
+    assert fe.log_path == str(KEYERROR_RUN / "h1n2" / "rank3.log")
+    assert fe.traceback[-1] == "[rank3]: KeyError: 'batch_size'" and fe.explained_by == ()
+    # no cause is invented for the KeyError; the peers' errors are its consequence
+    assert [(d.rule_id, d.consequence) for d in report.diagnoses] == [("peer-process-exited", True)]
+    assert report.diagnoses[0].ranks == (2, 4, 5)
+    assert report.found
+
+
+def test_cli_lists_the_first_failure_before_its_consequences():
+    result = _invoke(str(KEYERROR_RUN))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    first = out.index("1. rank 3 on h1n2 failed first: KeyError: 'batch_size' (crash_rank3.py:9)")
+    assert f"log: {KEYERROR_RUN / 'h1n2' / 'rank3.log'}:11" in out
+    assert "No known failure signature matches this exception" in out
+    second = out.index("2. Consequence of the first failure: A peer rank went away")
+    assert first < second and "Likely cause" not in out
+    data = json.loads(_invoke(str(KEYERROR_RUN), "--json").output)
+    assert data["first_error"]["summary"] == "rank 3 on h1n2 failed first: KeyError: 'batch_size' (crash_rank3.py:9)"
+    assert data["first_error"]["where"] == "crash_rank3.py:9"
+    assert data["failure"]["exception"] == "KeyError: 'batch_size'"
+    assert (data["found"], data["matched"], data["hang"]) == (True, True, None)
+    assert [(d["rule_id"], d["consequence"]) for d in data["diagnoses"]] == [("peer-process-exited", True)]
+
+
+def test_first_failure_without_any_rule_is_still_found(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(KEYERROR_RUN, run)
+    for name in ("rank2.log", "launcher.log"):
+        (run / "h1n2" / name).unlink()
+    shutil.rmtree(run / "h1n3")
+    result = _invoke(str(run))
+    assert result.exit_code == 0, result.output
+    assert "rank 3 on h1n2 failed first: KeyError: 'batch_size'" in result.output
+    assert "no known failure signature matched" not in result.output
+    assert diagnose_path(run) == []  # still no rule: a KeyError is the program's own error
+
+
+def test_first_failure_explained_by_a_rule_says_so(tmp_path):
+    run = _run_dir(tmp_path)
+    (run / "node2" / "rank3.log").write_text(fixture("nccl-backend-unavailable.2.log"))
+    report = diagnose_run(run)
+    assert report.first_error.summary == ("rank 3 on node2 failed first: RuntimeError: Distributed package "
+                                          "doesn't have NCCL built in (nanogpt_nccl.py:34)")
+    assert report.first_error.explained_by == ("nccl-backend-unavailable",)
+    assert report.diagnoses[0].rule_id == "nccl-backend-unavailable"
+    assert "explained below by rule nccl-backend-unavailable" in _invoke(str(run)).output
+
+
+def test_a_symptom_on_the_first_failing_rank_is_not_a_consequence(tmp_path):
+    run = _run_dir(tmp_path)
+    (run / "node2" / "rank3.log").write_text(fixture("peer-process-exited.log"))
+    echo = next(d for d in diagnose_run(run).diagnoses if d.rule_id == "peer-process-exited")
+    assert (echo.host, echo.rank, echo.consequence) == ("node2", 3, False)
+
+
+def test_hung_run_names_the_rank_elsewhere_and_its_frame():
+    report = diagnose_run(HANG_RUN)
+    hang = report.hang
+    assert report.first_error is None and report.found
+    assert hang.odd_ranks == (4,)
+    odd, rest = hang.groups
+    assert (odd.ranks, odd.frame, odd.hosts, odd.odd) == ((4,), "read_shard hang_rank.py:9", ("h1n3",), True)
+    assert (rest.ranks, rest.frame, rest.user_frame) == \
+        ((0, 1, 2, 3, 5), "all_reduce distributed_c10d.py:3252", "main hang_rank.py:17")
+    # run.json names the stacks file where the run was; the copy in the run directory is read
+    assert hang.stacks_file == str(HANG_RUN / "stacks-122436.txt")
+    assert hang.summary == ("the job hung (no progress for 20s): rank 4 on h1n3 at read_shard "
+                            "hang_rank.py:9, elsewhere than the others")
+
+
+def test_cli_reports_a_hang_and_exits_0():
+    result = _invoke(str(HANG_RUN))
+    assert result.exit_code == 0, result.output
+    assert "1. The job hung (no progress for 20s): rank 4 on h1n3 at read_shard hang_rank.py:9" in result.output
+    assert f"stacks: {HANG_RUN / 'stacks-122436.txt'}" in result.output
+    assert "no known failure signature matched" not in result.output
+    data = json.loads(_invoke(str(HANG_RUN), "--json").output)
+    assert data["found"] is True and data["hang"]["odd_ranks"] == [4]
+    assert data["hang"]["groups"][0]["frame"] == "read_shard hang_rank.py:9"
+
+
+def test_hang_without_its_stacks_file_uses_run_json(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(HANG_RUN, run)
+    (run / "stacks-122436.txt").unlink()
+    record = run / "run.json"  # the run's original directory is gone too
+    record.write_text(record.read_text().replace("/tmp/h1/runs/20261123-122412-4a3d", str(tmp_path / "gone")))
+    hang = diagnose_run(run).hang
+    assert (hang.odd_ranks, hang.groups, hang.stacks_file) == ((4,), (), None)
+    assert hang.summary == "the job hung (no progress for 20s): rank 4 elsewhere than the others"
+
+
+def test_run_that_did_not_hang_has_no_hang(tmp_path):
+    assert diagnose_run(_run_dir(tmp_path)).hang is None
+    assert diagnose_run(KEYERROR_RUN).hang is None
 
 
 def test_succeeded_run_says_so(tmp_path):
@@ -555,6 +705,46 @@ def test_cli_missing_file_exits_2(tmp_path):
     assert "missing.log: no such file or directory" in result.output
 
 
+def _runs(tmp_path: Path, *ids: str) -> Path:
+    for run_id in ids:
+        shutil.copytree(KEYERROR_RUN, tmp_path / "runs" / run_id)
+    return tmp_path / "runs"
+
+
+def test_cli_accepts_a_run_id_or_a_unique_prefix(tmp_path, monkeypatch):
+    _runs(tmp_path, "20261123-122356-cd38", "20261123-130000-beef")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CORRAL_RUNS_DIR", raising=False)
+    for target in ("20261123-122356-cd38", "20261123-1223"):
+        result = _invoke(target)
+        assert result.exit_code == 0, result.output
+        assert "corral diagnose runs/20261123-122356-cd38 " in result.output
+        assert "rank 3 on h1n2 failed first: KeyError" in result.output
+    data = json.loads(_invoke("20261123-1223", "--json").output)
+    assert data["path"] == str(Path("runs") / "20261123-122356-cd38")
+
+
+def test_cli_run_id_errors_are_clear(tmp_path, monkeypatch):
+    _runs(tmp_path, "20261123-122356-cd38", "20261123-130000-beef")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CORRAL_RUNS_DIR", raising=False)
+    ambiguous = _invoke("20261123")
+    assert ambiguous.exit_code == 2
+    assert "20261123: matches 2 runs in runs: 20261123-122356-cd38, 20261123-130000-beef" in ambiguous.output
+    missing = _invoke("20990101")
+    assert missing.exit_code == 2
+    assert "20990101: no such file or directory, and no run id starting with it in runs" in missing.output
+
+
+def test_cli_run_id_honours_corral_runs_dir(tmp_path, monkeypatch):
+    runs = _runs(tmp_path / "elsewhere", "20261123-122356-cd38")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CORRAL_RUNS_DIR", str(runs))
+    result = _invoke("20261123-1223")
+    assert result.exit_code == 0, result.output
+    assert str(runs / "20261123-122356-cd38") in result.output
+
+
 def test_cli_all_and_stdin():
     text = fixture("ssh-permission-denied.log")
     short = _invoke("-", input=text)
@@ -597,3 +787,53 @@ def test_cli_facts_flag(tmp_path):
 def test_log_lines_keep_physical_line_numbers():
     lines = list(iter_text("a\n\nb\rc\n"))
     assert [(ln.number, ln.text) for ln in lines] == [(1, "a"), (3, "b"), (3, "c")]
+
+
+# ------------------------------------------------------------------ tracebacks
+
+
+def test_last_traceback_gives_the_exception_and_the_innermost_user_frame():
+    from corral.diagnose.pyexc import parse_traceback
+
+    text = (
+        "step 1\n"
+        "Traceback (most recent call last):\n"
+        '  File "/srv/app/train.py", line 40, in <module>\n'
+        "    main()\n"
+        '  File "/srv/app/train.py", line 31, in main\n'
+        "    batch = next(it)\n"
+        "            ^^^^^^^^\n"
+        '  File "/opt/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 631, in __next__\n'
+        "    data = self._next_data()\n"
+        "ValueError: first\n"
+        "\n"
+        "During handling of the above exception, another exception occurred:\n"
+        "\n"
+        "Traceback (most recent call last):\n"
+        '  File "/srv/app/train.py", line 44, in <module>\n'
+        "    cleanup()\n"
+        '  File "/usr/lib/python3.11/shutil.py", line 9, in rmtree\n'
+        "    os.rmdir(path)\n"
+        "OSError: [Errno 39] Directory not empty: 'ckpt'\n"
+        "    more message\n"
+    )
+    exc = parse_traceback(iter_text(text))
+    assert (exc.text, exc.type, exc.line) == ("OSError: [Errno 39] Directory not empty: 'ckpt'", "OSError", 19)
+    assert exc.user_frame.short == "train.py:44"  # the standard library's shutil is not the program
+    first = parse_traceback(iter_text(text.split("\nDuring")[0]))
+    assert (first.text, first.user_frame.short) == ("ValueError: first", "train.py:31")
+
+
+def test_traceback_parsing_handles_windows_paths_syntax_errors_and_half_tracebacks():
+    from corral.diagnose.pyexc import last_exception, parse_traceback
+
+    exc = last_exception(FIXTURES / "nccl-backend-unavailable.log")  # Windows paths, mp.spawn
+    assert exc.text == "RuntimeError: Distributed package doesn't have NCCL built in"
+    assert exc.user_frame.short == "train.py:44" and exc.user_frame.func == "train"
+    syntax = parse_traceback(iter_text(
+        'Traceback (most recent call last):\n  File "/w/t.py", line 3\n    foo(\n       ^\n'
+        "SyntaxError: '(' was never closed\n"))
+    assert (syntax.type, syntax.user_frame.short, syntax.user_frame.func) == ("SyntaxError", "t.py:3", None)
+    # a traceback cut off before its exception line names nothing
+    assert parse_traceback(iter_text('Traceback (most recent call last):\n  File "/w/t.py", line 3, in f\n')) is None
+    assert last_exception(FIXTURES / "negative-clean-run.log") is None

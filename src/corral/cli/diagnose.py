@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 from rich.markup import escape
@@ -18,6 +19,8 @@ from corral.diagnose import (
     load_rules,
 )
 from corral.diagnose.logtext import sniff_encoding
+from corral.diagnose.rundir import resolve_target
+from corral.logs import default_runs_dir
 
 #: Causes shown without --all.
 _DEFAULT_SHOWN = 3
@@ -31,7 +34,7 @@ _NOTHING = (
 
 
 @click.command(name="diagnose")
-@click.argument("target", metavar="LOGFILE|RUN_DIR|-")
+@click.argument("target", metavar="LOGFILE|RUN_DIR|RUN_ID|-")
 @click.option("--json", "as_json", is_flag=True,
               help="Print JSON (every match, with lines, fix steps and confidence) instead of the report.")
 @click.option("--all", "show_all", is_flag=True,
@@ -47,16 +50,21 @@ def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
 
     LOGFILE is any log (torchrun, accelerate, DeepSpeed, Lightning, pdsh, a paste
     from a colleague); RUN_DIR is a run directory written by `corral run`
-    (runs/<run-id>), where matches are attributed to hosts and ranks and the
-    first failing rank comes first; `-` reads standard input.
+    (runs/<run-id>), where matches are attributed to hosts and ranks, the first
+    failing rank's own exception comes first and the errors it caused on other
+    ranks are marked as consequences, and a hung run's stacks say which rank was
+    elsewhere; RUN_ID is a run id or a unique prefix of one, looked up in ./runs
+    (or $CORRAL_RUNS_DIR), as `corral runs` lists them; `-` reads standard input.
 
     \b
     Examples:
       corral diagnose runs/20260101-120000-ab12
+      corral diagnose 20260101-1200
       corral diagnose slurm-4242.out --all
       pbpaste | corral diagnose - --json
 
-    Exit status: 0 when a cause was found, 1 when nothing matched, 2 on bad input.
+    Exit status: 0 when a cause was found (a known failure, the first failing
+    rank's exception, or a hang), 1 when nothing was, 2 on bad input.
     """
     rules = load_rules(rules_files)
     facts = load_facts(facts_file) if facts_file else None
@@ -65,12 +73,13 @@ def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
         report = RunReport(path="<stdin>", kind="file", files=("<stdin>",), failure=None,
                            facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags))
     else:
-        report = diagnose_run(target, facts=facts, rules=rules)
+        path = resolve_target(target, default_runs_dir(Path()))
+        report = diagnose_run(path, facts=facts, rules=rules)
     if as_json:
         click.echo(json.dumps(_as_json(report), indent=2))
     else:
         _print_report(report, show_all=show_all)
-    if not report.diagnoses:
+    if not report.found:
         sys.exit(1)
 
 
@@ -81,12 +90,16 @@ def _as_json(report: RunReport) -> dict:
         "kind": report.kind,
         "files": list(report.files),
         "failure": None if failure is None else {
-            "host": failure.host, "rank": failure.rank,
+            "host": failure.host, "rank": failure.rank, "kind": failure.kind,
             "exit_code": failure.exit_code, "signal": failure.signal,
+            "exception": failure.exception, "reason": failure.reason,
         },
         "facts_hosts": list(report.facts_hosts),
         "status": report.status,
         "matched": bool(report.diagnoses),
+        "found": report.found,
+        "first_error": None if report.first_error is None else report.first_error.to_dict(),
+        "hang": None if report.hang is None else report.hang.to_dict(),
         "diagnoses": [d.to_dict() for d in report.diagnoses],
     }
 
@@ -128,22 +141,85 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
     con.print(head)
     if report.facts_hosts:
         con.print(f"[dim]using doctor facts for {escape(', '.join(report.facts_hosts))}[/]")
-    if not report.diagnoses:
+    if not report.found:
         if report.status == "succeeded":
             con.print("\n[green]run.json records that this run succeeded: nothing to diagnose.[/]")
         else:
             con.print(f"\n[yellow]{escape(_NOTHING)}[/]")
         return
+    n = 0
+    if report.hang is not None:
+        n += 1
+        _print_hang(con, n, report)
+    if report.first_error is not None:
+        n += 1
+        _print_first_error(con, n, report)
     shown = report.diagnoses if show_all else report.diagnoses[:_DEFAULT_SHOWN]
-    for n, d in enumerate(shown, start=1):
-        _print_one(con, n, d, multi_file=report.kind != "file")
+    causes = 0
+    for d in shown:
+        n += 1
+        if d.consequence:
+            label = "Consequence of the first failure"
+        else:
+            causes += 1
+            label = "Likely cause" if causes == 1 else "Also possible"
+        _print_one(con, n, d, label, multi_file=report.kind != "file")
     hidden = len(report.diagnoses) - len(shown)
     if hidden:
         con.print(f"\n[dim]{hidden} less likely cause(s) not shown: rerun with --all.[/]")
 
 
-def _print_one(con, n: int, d: Diagnosis, *, multi_file: bool) -> None:
-    label = "Likely cause" if n == 1 else "Also possible"
+def _print_first_error(con, n: int, report: RunReport) -> None:
+    fe = report.first_error
+    assert fe is not None
+    exc = fe.exception if len(fe.exception) <= _SHOWN_LINE else fe.exception[:_SHOWN_LINE] + " ..."
+    on = f" on {fe.host}" if fe.host else ""
+    where = f" ({fe.where})" if fe.where else ""
+    con.print(f"\n[bold]{n}. {escape(f'rank {fe.rank}{on} failed first: {exc}{where}')}[/]")
+    con.print(f"   [cyan]log:[/] {escape(f'{fe.log_path}:{fe.log_line}')}")
+    if fe.explained_by:
+        con.print(f"   [dim]explained below by rule {escape(', '.join(fe.explained_by))}[/]")
+    else:
+        tail = fe.traceback[-6:]
+        con.print("   [cyan]traceback:[/]" + (" [dim](end)[/]" if len(tail) < len(fe.traceback) else ""))
+        for line in tail:
+            text = line if len(line) <= _SHOWN_LINE else line[:_SHOWN_LINE] + " ..."
+            con.print(f"     {escape(text)}")
+        where = f" at {fe.where}" if fe.where else ""
+        con.print(f"   [dim]{escape(f'No known failure signature matches this exception: it was raised by the program{where}; the traceback in the log shows why.')}[/]")
+    if any(d.consequence for d in report.diagnoses):
+        con.print("   [dim]The errors below on other ranks follow from this failure.[/]")
+
+
+def _print_hang(con, n: int, report: RunReport) -> None:
+    hang = report.hang
+    assert hang is not None
+    con.print(f"\n[bold]{n}. {escape(hang.summary[:1].upper() + hang.summary[1:])}[/]")
+    if hang.reason:
+        con.print(f"   [dim]{escape('run.json: ' + hang.reason)}[/]")
+    if hang.groups:
+        con.print("   [cyan]where the ranks were:[/]")
+        width = max(len(g.label) for g in hang.groups)
+        for g in hang.groups:
+            on = f" ({', '.join(g.hosts)})" if g.hosts else ""
+            inner = f" in {g.user_frame}" if g.user_frame else ""
+            mark = "  <- elsewhere" if g.odd else ""
+            con.print(f"     {escape(g.label.ljust(width))}  {escape(g.frame + inner + on)}{mark}")
+    if hang.missing:
+        con.print(f"   [dim]no stack from {escape(', '.join(map(str, hang.missing)))}: not a Python rank, or exited[/]")
+    if hang.stacks_file:
+        con.print(f"   [cyan]stacks:[/] {escape(hang.stacks_file)}")
+    odd = [g for g in hang.groups if g.odd]
+    if odd:
+        g = odd[0]
+        at = g.user_frame or g.frame
+        con.print(f"   [cyan]next:[/] {escape(f'the other ranks wait for {g.label}: look at what it does at {at} (I/O, a lock, a loop, a code path only it takes).')}")
+    elif hang.groups:
+        con.print("   [cyan]next:[/] every rank that answered is at the same place; a rank that left no "
+                  "stack, or a peer they all wait for, is the one to look at.")
+
+
+def _print_one(con, n: int, d: Diagnosis, label: str, *, multi_file: bool) -> None:
     con.print(f"\n[bold]{n}. {label}: {escape(d.title)}[/]")
     meta = f"{d.category_label} · confidence {d.confidence:.2f} · rule {d.rule_id}"
     where = _where(d)

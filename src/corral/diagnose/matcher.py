@@ -65,6 +65,11 @@ class Diagnosis:
     sources: tuple[str, ...] = ()
     #: Values captured by the rule's named groups (interface name, port...).
     captures: Mapping[str, str] = field(default_factory=dict)
+    #: The rule names an echo of a failure elsewhere (a peer went away), not a cause.
+    symptom: bool = False
+    #: In a run directory: a symptom seen away from the first failing rank, so a
+    #: consequence of that rank's failure rather than a cause.
+    consequence: bool = False
 
     @property
     def id(self) -> str:
@@ -242,6 +247,7 @@ class Matcher:
             category_label=rule.category_label, cause=rule.cause, fix=tuple(fix),
             confidence=confidence, lines=lines, host=host, rank=rank, hosts=tuple(hosts),
             ranks=tuple(ranks), origin=self.origin, sources=rule.sources, captures=captures,
+            symptom=rule.symptom,
         )
 
 

@@ -55,7 +55,7 @@ WEAK_WEIGHT = 0.2
 _BUILTIN_NAMES = frozenset({"host", "rank"})
 _RULE_KEYS = frozenset(
     {"id", "title", "category", "patterns", "weak", "requires", "excludes", "distinct",
-     "cause", "fix", "refine", "source", "fixtures"}
+     "cause", "fix", "refine", "source", "fixtures", "symptom"}
 )
 _REQUIRED = ("id", "title", "category", "patterns", "cause", "fix")
 _PATTERN_KEYS = frozenset({"re", "weight", "check"})
@@ -116,6 +116,8 @@ class Rule:
     refine: tuple[Refinement, ...] = ()
     sources: tuple[str, ...] = ()
     fixtures: tuple[str, ...] = ()
+    #: The error is the echo of a failure elsewhere (a peer went away), not a cause.
+    symptom: bool = False
 
     @property
     def category_label(self) -> str:
@@ -205,6 +207,9 @@ def _parse_rule(path: Path, index: int, entry: Any) -> Rule:
     if not patterns:
         raise fail("'patterns' must list at least one regex")
     patterns += tuple(_parse_pattern(p, fail, weak=True) for p in _list(entry, "weak", fail))
+    symptom = entry.get("symptom", False)
+    if not isinstance(symptom, bool):
+        raise fail("'symptom' must be true or false")
     rule = Rule(
         id=rid,
         title=_text(entry, "title", fail),
@@ -218,6 +223,7 @@ def _parse_rule(path: Path, index: int, entry: Any) -> Rule:
         refine=tuple(_parse_refine(r, fail) for r in _list(entry, "refine", fail)),
         sources=_one_or_many(entry, "source", fail),
         fixtures=tuple(_strings(entry, "fixtures", fail)),
+        symptom=symptom,
     )
     if not rule.fix:
         raise fail("'fix' must list at least one step")

@@ -6,12 +6,19 @@ Run directory layout (written by ``corral run``)::
     runs/<run-id>/facts.json          doctor facts per host (optional)
     runs/<run-id>/<host>/rank<N>.log  stdout+stderr of global rank N
     runs/<run-id>/<host>/launcher.log the node's launcher (torchrun) output
+    runs/<run-id>/stacks-HHMMSS.txt   every rank's stack when the job hung
 
 Each file is matched on its own (``requires``/``excludes`` are per log), with
 lines attributed to the host and rank its path names.  The same failure seen
 on sixteen ranks is one diagnosis listing sixteen ranks, and what the first
 failing rank (from run.json) shows comes first: the other ranks mostly show
 the echo of its failure ("connection closed by peer").
+
+Besides the rules' diagnoses, a run directory's report names the first
+failing rank's own Python exception (its last traceback: the exception line
+and the innermost frame in the program's code) even when no rule explains it,
+marks symptom rules seen elsewhere as consequences of that failure, and for a
+hung run says which ranks were elsewhere than the others, and where.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from corral.diagnose.facts import AllFacts
+from corral.diagnose.hang import Hang, read_hang
 from corral.diagnose.logtext import open_log
 from corral.diagnose.matcher import Diagnosis, Matcher
+from corral.diagnose.pyexc import basename, last_exception
 from corral.diagnose.rules import Rule, load_rules
 from corral.errors import UsageError
 
@@ -41,6 +50,59 @@ class Failure:
     rank: int | None = None
     exit_code: int | None = None
     signal: str | None = None
+    #: "exit", "signal", "hang", "lost", "start"... as corral run recorded it.
+    kind: str | None = None
+    #: The exception line corral run saw in the rank's output, if any.
+    exception: str | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FirstError:
+    """The Python exception the first failing rank died with (its last traceback)."""
+
+    host: str | None
+    rank: int
+    #: ``KeyError: 'batch_size'``
+    exception: str
+    type: str
+    message: str
+    #: Innermost frame in the program's own code (else the innermost frame).
+    file: str | None
+    line: int | None
+    func: str | None
+    #: The rank's log, relative to the run directory, and the exception's line in it.
+    log: str
+    log_line: int
+    #: The log's path as given (run directory joined with ``log``).
+    log_path: str
+    #: The traceback as printed.
+    traceback: tuple[str, ...] = ()
+    #: Rules that matched in this rank's log (a known failure explains the exception).
+    explained_by: tuple[str, ...] = ()
+
+    @property
+    def where(self) -> str:
+        """``crash_rank3.py:9``"""
+        if self.file is None:
+            return ""
+        return f"{basename(self.file)}:{self.line}"
+
+    @property
+    def summary(self) -> str:
+        """``rank 3 on h1n2 failed first: KeyError: 'batch_size' (crash_rank3.py:9)``"""
+        on = f" on {self.host}" if self.host else ""
+        where = f" ({self.where})" if self.where else ""
+        return f"rank {self.rank}{on} failed first: {self.exception}{where}"
+
+    def to_dict(self) -> dict:
+        return {
+            "summary": self.summary, "host": self.host, "rank": self.rank,
+            "exception": self.exception, "type": self.type, "message": self.message,
+            "file": self.file, "line": self.line, "func": self.func, "where": self.where,
+            "log": self.log, "log_line": self.log_line, "log_path": self.log_path,
+            "traceback": list(self.traceback), "explained_by": list(self.explained_by),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +118,15 @@ class RunReport:
     diagnoses: tuple[Diagnosis, ...]
     #: run.json's status ("failed", "succeeded", ...) for run directories.
     status: str | None = None
+    #: The first failing rank's own exception (run directories), listed before the diagnoses.
+    first_error: FirstError | None = None
+    #: What a hung run's record and stacks file say.
+    hang: Hang | None = None
+
+    @property
+    def found(self) -> bool:
+        """Something names the failure: a rule, the first rank's exception, or a hang."""
+        return bool(self.diagnoses) or self.first_error is not None or self.hang is not None
 
 
 def diagnose_path(path: str | Path, facts: AllFacts | None = None,
@@ -94,10 +165,38 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
     ]
     order = {r.id: i for i, r in enumerate(rules)}
     diags = _merge(per_file, failure, order)
+    first_error = _first_error(root, logs, per_file, failure)
+    hang = read_hang(root, record, _rank_hosts(record)) if record else None
     return RunReport(path=str(root), kind="run" if run_json.is_file() else "dir",
                      files=tuple(str(f.relative_to(root)) for f, _, _ in logs), failure=failure,
                      facts_hosts=tuple(sorted(all_facts)), diagnoses=tuple(diags),
-                     status=record.get("status") if isinstance(record.get("status"), str) else None)
+                     status=record.get("status") if isinstance(record.get("status"), str) else None,
+                     first_error=first_error, hang=hang)
+
+
+def resolve_target(target: str | Path, runs_root: Path) -> Path:
+    """A log file or run directory as given, else the run whose id is (or starts with)
+    ``target`` under ``runs_root`` (``./runs``), like `corral stacks` and `corral runs`."""
+    path = Path(target)
+    if path.exists():
+        return path
+    name = str(target)
+    looks_like_id = bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
+    runs = sorted(d for d in runs_root.iterdir() if d.is_dir()) if runs_root.is_dir() else []
+    matches = [d for d in runs if d.name.startswith(name)] if looks_like_id else []
+    exact = [d for d in matches if d.name == name]
+    if exact:
+        return exact[0]
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        listed = ", ".join(d.name for d in matches[:5]) + (" ..." if len(matches) > 5 else "")
+        raise UsageError(f"{name}: matches {len(matches)} runs in {runs_root}: {listed}",
+                         hint="give more of the run id (`corral runs` lists them)")
+    where = f", and no run id starting with it in {runs_root}" if looks_like_id else ""
+    raise UsageError(f"{name}: no such file or directory{where}",
+                     hint="give a log file, a run directory such as runs/<run-id>, or a run id "
+                          "(or a unique prefix) from `corral runs`")
 
 
 def load_facts(path: str | Path) -> dict[str, dict]:
@@ -147,12 +246,58 @@ def _failure(record: Mapping[str, Any]) -> Failure | None:
         return None
     rank = failure.get("rank")
     code = failure.get("exit_code")
+
+    def text(key: str) -> str | None:
+        value = failure.get(key)
+        return value if isinstance(value, str) and value else None
+
     return Failure(
-        host=failure.get("host") if isinstance(failure.get("host"), str) else None,
-        rank=rank if isinstance(rank, int) else None,
+        host=text("host"),
+        rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
         exit_code=code if isinstance(code, int) else None,
         signal=str(failure["signal"]) if failure.get("signal") is not None else None,
+        kind=text("kind"), exception=text("exception"), reason=text("reason"),
     )
+
+
+def _rank_hosts(record: Mapping[str, Any]) -> dict[int, str]:
+    """Global rank -> host name, from run.json's hosts."""
+    out: dict[int, str] = {}
+    hosts = record.get("hosts")
+    for h in hosts if isinstance(hosts, list) else ():
+        if isinstance(h, dict) and isinstance(h.get("name"), str) and isinstance(h.get("ranks"), list):
+            for r in h["ranks"]:
+                if isinstance(r, int):
+                    out[r] = h["name"]
+    return out
+
+
+def _first_error(root: Path, logs: Sequence[tuple[Path, str | None, int | None]],
+                 per_file: Sequence[Sequence[Diagnosis]], failure: Failure | None) -> FirstError | None:
+    """The exception the first failing rank's own log ends with (run.json names the rank)."""
+    if failure is None or failure.rank is None or failure.kind == "hang":
+        return None
+    candidates = [i for i, (_, _, rank) in enumerate(logs) if rank == failure.rank]
+    # the rank's file under its host's directory; any file of that rank if the host differs
+    candidates.sort(key=lambda i: logs[i][1] != failure.host)
+    for i in candidates:
+        file, host, _ = logs[i]
+        try:
+            exc = last_exception(file)
+        except OSError:
+            continue
+        if exc is None:
+            continue
+        frame = exc.user_frame
+        log = str(file.relative_to(root))
+        return FirstError(
+            host=failure.host or host, rank=failure.rank, exception=exc.text, type=exc.type,
+            message=exc.message, file=frame.file if frame else None,
+            line=frame.line if frame else None, func=frame.func if frame else None,
+            log=log, log_line=exc.line, log_path=str(root / log), traceback=exc.shown,
+            explained_by=tuple(d.rule_id for d in per_file[i]),
+        )
+    return None
 
 
 def _log_files(root: Path) -> list[tuple[Path, str | None, int | None]]:
@@ -188,6 +333,8 @@ def _at_failure(diag: Diagnosis, failure: Failure | None) -> bool:
 
 def _merge(per_file: list[list[Diagnosis]], failure: Failure | None,
            order: Mapping[str, int]) -> list[Diagnosis]:
+    """One diagnosis per rule across files; a symptom rule seen only away from
+    the first failing rank (run.json) is marked a consequence of that failure."""
     by_rule: dict[str, list[Diagnosis]] = {}
     for diags in per_file:
         for d in diags:
@@ -201,7 +348,11 @@ def _merge(per_file: list[list[Diagnosis]], failure: Failure | None,
                 lines.append(d.lines[0])
         hosts = sorted({h for d in ds for h in (d.hosts or ((d.host,) if d.host else ()))})
         ranks = sorted({r for d in ds for r in (d.ranks or ((d.rank,) if d.rank is not None else ()))})
+        consequence = (primary.symptom and failure is not None and failure.host is not None
+                       and not _at_failure(primary, failure))
         merged.append(replace(primary, confidence=max(d.confidence for d in ds),
-                              lines=tuple(lines), hosts=tuple(hosts), ranks=tuple(ranks)))
-    merged.sort(key=lambda d: (not _at_failure(d, failure), -d.confidence, order.get(d.rule_id, 0)))
+                              lines=tuple(lines), hosts=tuple(hosts), ranks=tuple(ranks),
+                              consequence=consequence))
+    merged.sort(key=lambda d: (d.consequence, not _at_failure(d, failure), -d.confidence,
+                               order.get(d.rule_id, 0)))
     return merged
