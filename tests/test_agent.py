@@ -81,7 +81,7 @@ def test_agent_calls_and_stops_its_whole_tree(tmp_path) -> None:
 
 
 def test_torchrun_log_dir_goes_into_the_jobs_temp_dir() -> None:
-    from corral.agent.node import elastic_log_dir
+    from corral.agent.jobenv import elastic_log_dir
 
     argv = ["/py", "-m", "torch.distributed.run", "--nnodes=2", "train.py", "--log-dir", "mine"]
     out = elastic_log_dir(list(argv), {}, "/t/job/elastic")
@@ -96,7 +96,7 @@ def test_torchrun_log_dir_goes_into_the_jobs_temp_dir() -> None:
 
 
 def test_accelerate_log_dir_flag_or_torchruns_variable(monkeypatch) -> None:
-    from corral.agent import node
+    from corral.agent import jobenv as node
 
     argv = ["/py", "-m", "accelerate.commands.launch", "--multi_gpu", "train.py"]
     monkeypatch.setattr(node, "_accelerate_has_log_dir", lambda: True)
@@ -114,13 +114,13 @@ def test_this_accelerate_takes_log_dir() -> None:
 
     if importlib.util.find_spec("accelerate") is None:
         pytest.skip("accelerate is not installed")
-    from corral.agent.node import _accelerate_has_log_dir
+    from corral.agent.jobenv import _accelerate_has_log_dir
 
     assert _accelerate_has_log_dir()
 
 
 def test_configured_python_is_first_on_path() -> None:
-    from corral.agent.node import activate_python
+    from corral.agent.jobenv import activate_python
 
     env = {"CORRAL_PYTHON": "/opt/venv/bin/python", "PATH": "/usr/bin:/bin"}
     activate_python(env)

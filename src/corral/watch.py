@@ -126,30 +126,16 @@ def _torchrun_root_cause(lines: list[str]) -> tuple[int, int] | None:
     return rank, code
 
 
-_EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Fault|Failure)\b")
-
-
-_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
-
-
 def _exception_line(lines: list[str]) -> str | None:
     """The exception a Python traceback in ``lines`` ends with (its last one).
 
-    torch prefixes an uncaught exception's lines with ``[rankN]: `` once the
-    process group exists; that prefix is not part of the exception."""
-    lines = [_RANK_PREFIX.sub("", line, count=1) for line in lines]
-    start = None
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("Traceback (most recent call last)"):
-            start = i
-            break
-    if start is None:
-        return None
-    found = None
-    for line in lines[start + 1:]:
-        if _EXC_LINE.match(line):
-            found = line.strip()
-    return found
+    Parsed as ``corral diagnose`` parses rank logs (torch's ``[rankN]: ``
+    prefix stripped); imported here, on a failure, not at start-up."""
+    from corral.diagnose.logtext import iter_text
+    from corral.diagnose.pyexc import parse_traceback
+
+    exc = parse_traceback(iter_text("\n".join(lines)))
+    return exc.text if exc else None
 
 
 @dataclass

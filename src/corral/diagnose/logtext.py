@@ -136,8 +136,8 @@ def _parse_segment(seg: str, number: int) -> LogLine:
                    local_rank=local)
 
 
-def iter_lines(stream: IO[str]) -> Iterator[LogLine]:
-    """Stream a text file as cleaned lines; memory stays bounded by ``MAX_LINE``."""
+def iter_raw(stream: IO[str]) -> Iterator[tuple[int, str]]:
+    """(line number, raw line) of a text file; memory stays bounded by ``MAX_LINE``."""
     number = 0
     while True:
         raw = stream.readline(MAX_LINE * 4)
@@ -150,6 +150,12 @@ def iter_lines(stream: IO[str]) -> Iterator[LogLine]:
                 more = stream.readline(MAX_LINE * 4)
                 if not more or more.endswith("\n"):
                     break
+        yield number, raw
+
+
+def iter_lines(stream: IO[str]) -> Iterator[LogLine]:
+    """Stream a text file as cleaned lines; memory stays bounded by ``MAX_LINE``."""
+    for number, raw in iter_raw(stream):
         yield from parse(raw, number)
 
 

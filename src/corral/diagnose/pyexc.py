@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.diagnose.logtext import MAX_LINE, LogLine, open_log, parse
+from corral.diagnose.logtext import LogLine, iter_raw, open_log, parse
 
 _HEADER = "Traceback (most recent call last)"
 _FRAME = re.compile(r'^File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>.+?))?\s*$')
@@ -126,17 +126,7 @@ def last_exception(path: str | Path) -> PyException | None:
     """The last Python exception a log file shows (its last traceback), if any."""
     tail: list[tuple[int, str]] = []
     with open_log(path) as stream:
-        number = 0
-        while True:
-            raw = stream.readline(MAX_LINE * 4)
-            if not raw:
-                break
-            number += 1
-            if len(raw) == MAX_LINE * 4 and not raw.endswith("\n"):
-                while True:  # a runaway line (a progress bar): keep its head only
-                    more = stream.readline(MAX_LINE * 4)
-                    if not more or more.endswith("\n"):
-                        break
+        for number, raw in iter_raw(stream):  # substring checks only; parse the tail
             if _HEADER in raw:
                 tail = [(number, raw)]
             elif tail and len(tail) < _MAX_TB_LINES:
