@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from corral.runs import RunRecord, list_runs
+from corral.runs import RunRecord, _state, list_runs
 
 CORRAL = [sys.executable, "-m", "corral"]
 
@@ -37,6 +37,14 @@ def test_running_run_whose_head_is_gone_is_shown_as_died(tmp_path: Path) -> None
     finally:
         alive.kill()
         alive.wait()
+    # a head that exited but was not reaped yet (a zombie has no command line)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass", "corral"])
+    try:
+        while _state(zombie.pid) != "Z":
+            time.sleep(0.01)
+        assert _record(tmp_path, {"host": here, "pid": zombie.pid}).status == "died"
+    finally:
+        zombie.wait()
     # a pid now used by something that is not corral: the head is gone too
     other = subprocess.Popen(["sleep", "30"])
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,13 +34,34 @@ def _head_gone(head: object) -> bool:
     pid = head.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return False
+    for attempt in range(3):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        if cmdline:
+            return b"corral" not in cmdline  # the pid was reused by something else
+        if _state(pid) in ("Z", "X", None):
+            return True  # a zombie (or gone by now): the head has exited
+        # A live process with no command line is in the middle of execve (the
+        # kernel fills it in after closing the exec'ing process's CLOEXEC fds, so
+        # a parent can see it this early); look again before judging.
+        time.sleep(0.02 * (attempt + 1))
+    return False
+
+
+def _state(pid: int) -> str | None:
+    """The one-letter state in /proc/PID/stat (R, S, Z...), or None when gone."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"corral" not in f.read()  # the pid was reused by something else
-    except FileNotFoundError:
-        return True
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
     except OSError:
-        return False
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[0].decode() if fields else None
 
 
 def list_runs(root: Path) -> list[RunRecord]:
