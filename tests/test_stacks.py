@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.stacks import fold_ranks, main_stack, merge, odd_ones_out, render, stack_report
+from corral.stacks import fold_ranks, main_stack, stack_report
 
 CORRAL = [sys.executable, "-m", "corral"]
 
@@ -137,7 +137,7 @@ def test_planted_hang_on_the_sandbox_names_the_rank(sandbox) -> None:
                              cwd=work, capture_output=True, text=True, timeout=240)
         assert res.returncode == 124, res.stderr[-3000:]
         node3 = sandbox.nodes[2]
-        assert f"rank 5 elsewhere than the others" in res.stderr
+        assert "rank 5 elsewhere than the others" in res.stderr
         assert any("load_batch" in ln and ln.rstrip().endswith("rank 5") for ln in res.stderr.splitlines())
         assert any("all_reduce" in ln and ln.rstrip().endswith("ranks 0-4,6-7") for ln in res.stderr.splitlines())
         assert node3  # rank 5 lives on the third node (2 ranks per node)

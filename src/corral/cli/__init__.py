@@ -15,7 +15,7 @@ import sys
 import click
 
 from corral import __version__
-from corral.errors import CorralError, EXIT_INTERRUPTED
+from corral.errors import EXIT_INTERRUPTED, CorralError
 
 # name -> (module, attribute, one-line help shown by ``corral --help``)
 COMMANDS: dict[str, tuple[str, str, str]] = {
