@@ -205,6 +205,15 @@ def test_missing_workdir_is_named(tmp_path: Path) -> None:
     assert "corral sync" in res.stderr
 
 
+def test_ranks_beyond_the_world_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    write(tmp_path / "ok.py", "open('started', 'w').close()\n")
+    res = corral(["run", "-n", "2", "--ranks", "0,5-6", "ok.py"], tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert "--ranks names ranks 5-6, but this run has 2 rank(s) (ranks 0-1)" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "started").exists() and not (tmp_path / "runs").exists()
+
+
 def test_bad_env_flag_is_a_usage_error(tmp_path: Path) -> None:
     res = corral(["run", "--env", "NOT_SET_ANYWHERE_XYZ", "train.py"], tmp_path)
     assert res.returncode == 2

@@ -36,7 +36,7 @@ from corral import ui
 from corral.agent.bundle import hook_source, preload_modules
 from corral.agent.session import AgentPool, AgentSession
 from corral.control import collect_stacks, control_path, serve
-from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED
+from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, UsageError
 from corral.logs import RunLogs
 from corral.model import Cluster
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan
@@ -64,6 +64,10 @@ class RunOptions:
     keep_node_tmp: bool = False
     #: No output from any rank for this long = a hang: dump every rank's stack, stop.
     hang_timeout: float | None = None
+    #: Ranks the user asked to see on the console (--ranks); None = all.  The
+    #: world size is known only once every node's GPUs are counted, so a rank
+    #: that does not exist is refused here, before anything starts.
+    shown_ranks: frozenset[int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +101,17 @@ class _NullView:
     def message(self, text: str) -> None: ...
     def stopping(self) -> None: ...
     def close(self) -> None: ...
+
+
+def _check_shown_ranks(shown: frozenset[int] | None, world_size: int) -> None:
+    """--ranks naming a rank the run does not have would silently show nothing."""
+    missing = sorted(r for r in (shown or ()) if r >= world_size)
+    if missing:
+        have = "rank 0" if world_size == 1 else f"ranks 0-{world_size - 1}"
+        raise UsageError(
+            f"--ranks names {fold_ranks(set(missing))}, but this run has {world_size} rank(s) ({have})",
+            hint=f"pick ranks below {world_size} (--ranks all shows every rank); "
+                 "nothing was started")
 
 
 class _LogSink:
@@ -260,6 +275,7 @@ class Runner:
             }
             plan = build_plan(self.cluster, self.spec, facts, master_addr=master, master_port=int(port),
                               head_env=self.head_env, head_cwd=self.head_cwd)
+            _check_shown_ranks(self.options.shown_ranks, plan.world_size)
         except BaseException:
             await pool.close()
             raise

@@ -133,6 +133,7 @@ def run(
     options = RunOptions(
         runs_dir=runs_dir or default_runs_dir(Path.cwd()), max_restarts=max_restarts,
         node_timeout=node_timeout, grace=grace, hang_timeout=hang_timeout,
+        shown_ranks=None if status_ranks is None else frozenset(status_ranks),
     )
     view = RunConsole(multi_host=len(cluster.hosts) > 1, status_ranks=status_ranks)
     runner = Runner(cluster, spec, options, view=view, head_env=os.environ, head_cwd=os.getcwd())
