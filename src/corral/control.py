@@ -19,13 +19,31 @@ from corral.agent.session import AgentPool
 from corral.errors import CorralError
 from corral.plan import STACK_SIGNAL
 
+#: sun_path is 108 bytes on Linux (104 on the BSDs), with the final NUL.
+_SUN_PATH_MAX = 100
+
 
 def control_path(run_id: str) -> Path:
-    """A short path (unix sockets are limited to ~108 bytes)."""
-    base = Path(tempfile.gettempdir()) / f"corral-{os.getuid()}" / "ctl"
-    base.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(base, 0o700)
-    return base / f"{run_id}.sock"
+    """Where this run's head listens: a private directory, a path short enough
+    for a unix socket.  ``corral stacks`` reads the path from run.json.
+
+    A long ``$TMPDIR`` (some HPC sites set one per job) would overflow
+    sun_path, so /tmp is used then."""
+    name = f"{run_id}.sock"
+    for tmp in (tempfile.gettempdir(), "/tmp"):
+        base = Path(tmp) / f"corral-{os.getuid()}" / "ctl"
+        if len(os.fsencode(base / name)) > _SUN_PATH_MAX:
+            continue
+        try:
+            base.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(base, 0o700)
+        except OSError:
+            continue
+        return base / name
+    raise CorralError(
+        f"no directory for this run's control socket: {Path(tempfile.gettempdir())} gives a path over "
+        f"{_SUN_PATH_MAX} bytes and /tmp is not writable",
+        hint="set TMPDIR to a short writable directory, e.g. TMPDIR=/tmp")
 
 
 async def collect_stacks(pool: AgentPool, timeout: float = 3.0) -> dict[int, str]:

@@ -1,0 +1,76 @@
+"""The head's control socket (what `corral stacks RUN` talks to)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from corral.control import control_path, request, serve
+from corral.errors import CorralError
+
+
+@pytest.fixture()
+def tmpdir_env(monkeypatch: pytest.MonkeyPatch):
+    """Point TMPDIR somewhere and make tempfile notice (it caches the answer)."""
+
+    def use(path: Path) -> None:
+        monkeypatch.setenv("TMPDIR", str(path))
+        monkeypatch.setattr(tempfile, "tempdir", None)
+
+    yield use
+
+
+def _round_trip(path: Path) -> dict:
+    async def go() -> dict:
+        async def handler(req: str) -> dict:
+            return {"echo": req}
+
+        server = await serve(path, handler)
+        try:
+            return await asyncio.to_thread(request, str(path), "stacks")
+        finally:
+            server.close()
+            path.unlink(missing_ok=True)
+
+    return asyncio.run(go())
+
+
+def test_socket_lives_in_a_private_directory_under_tmpdir(tmpdir_env) -> None:
+    short = Path(tempfile.mkdtemp(prefix="cc", dir="/tmp"))  # pytest's tmp_path is too long
+    tmpdir_env(short)
+    path = control_path("20260101-000000-abcd")
+    assert path.parent == short / f"corral-{os.getuid()}" / "ctl"
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert _round_trip(path) == {"echo": "stacks"}
+    shutil.rmtree(short)
+
+
+def test_a_tmpdir_too_long_for_a_unix_socket_falls_back_to_tmp(tmp_path: Path, tmpdir_env) -> None:
+    deep = tmp_path / ("job-scratch-" + "x" * 60) / ("y" * 40)
+    deep.mkdir(parents=True)
+    tmpdir_env(deep)
+    path = control_path("20260101-000000-abcd")
+    assert str(path).startswith(f"/tmp/corral-{os.getuid()}/ctl/")
+    assert _round_trip(path) == {"echo": "stacks"}  # bind() would fail on the long path
+
+
+def test_no_usable_directory_is_a_named_error(tmp_path: Path, tmpdir_env, monkeypatch) -> None:
+    deep = tmp_path / ("z" * 120)
+    deep.mkdir()
+    tmpdir_env(deep)
+    real_mkdir = Path.mkdir
+
+    def no_tmp(self: Path, *a, **kw):
+        if str(self).startswith("/tmp/corral-"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", no_tmp)
+    with pytest.raises(CorralError) as e:
+        control_path("20260101-000000-abcd")
+    assert "over 100 bytes" in e.value.message and "TMPDIR" in (e.value.hint or "")
