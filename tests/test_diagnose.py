@@ -745,6 +745,15 @@ def test_cli_run_id_honours_corral_runs_dir(tmp_path, monkeypatch):
     assert str(runs / "20261123-122356-cd38") in result.output
 
 
+def test_cli_run_id_in_runs_dir_flag(tmp_path, monkeypatch):
+    runs = _runs(tmp_path / "other", "20261123-122356-cd38")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CORRAL_RUNS_DIR", raising=False)
+    result = _invoke("20261123-1223", "--runs-dir", str(runs))
+    assert result.exit_code == 0, result.output
+    assert str(runs / "20261123-122356-cd38") in result.output
+
+
 def test_cli_all_and_stdin():
     text = fixture("ssh-permission-denied.log")
     short = _invoke("-", input=text)

@@ -44,8 +44,10 @@ _NOTHING = (
                    "A run directory's facts.json is used without this flag.")
 @click.option("--rules", "rules_files", type=click.Path(dir_okay=False), multiple=True,
               help="An extra rules file (same format as corral's rules.toml). Repeatable.")
+@click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where RUN_ID is looked up. Default: $CORRAL_RUNS_DIR or ./runs.")
 def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
-             rules_files: tuple[str, ...]) -> None:
+             rules_files: tuple[str, ...], runs_dir: Path | None) -> None:
     """Explain why a run failed: likely causes, the lines that show them, and the fix.
 
     LOGFILE is any log (torchrun, accelerate, DeepSpeed, Lightning, pdsh, a paste
@@ -54,7 +56,7 @@ def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
     failing rank's own exception comes first and the errors it caused on other
     ranks are marked as consequences, and a hung run's stacks say which rank was
     elsewhere; RUN_ID is a run id or a unique prefix of one, looked up in ./runs
-    (or $CORRAL_RUNS_DIR), as `corral runs` lists them; `-` reads standard input.
+    (or --runs-dir, $CORRAL_RUNS_DIR), as `corral runs` lists them; `-` reads standard input.
 
     \b
     Examples:
@@ -73,7 +75,7 @@ def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
         report = RunReport(path="<stdin>", kind="file", files=("<stdin>",), failure=None,
                            facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags))
     else:
-        path = resolve_target(target, default_runs_dir(Path()))
+        path = resolve_target(target, runs_dir or default_runs_dir(Path()))
         report = diagnose_run(path, facts=facts, rules=rules)
     if as_json:
         click.echo(json.dumps(_as_json(report), indent=2))
