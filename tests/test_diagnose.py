@@ -580,6 +580,40 @@ def test_first_failure_without_any_rule_is_still_found(tmp_path):
     assert diagnose_path(run) == []  # still no rule: a KeyError is the program's own error
 
 
+# Real 1-node runs (corral run -n 2, torchrun, gloo) whose rank 1 left no traceback:
+# argparse rejected its arguments (exit 2); it was SIGKILLed (as the OOM killer does).
+# The scripts that made them are kept beside the logs.
+ARGPARSE_RUN = FIXTURES / "run-argparse-rank1"
+SIGKILL_RUN = FIXTURES / "run-sigkill-rank1"
+
+
+def test_first_rank_without_traceback_is_named_with_its_last_lines():
+    fe = diagnose_run(ARGPARSE_RUN).first_error
+    assert fe.summary == "rank 1 on vm failed first: exited with code 2"
+    assert fe.kind == "exit" and (fe.log, fe.log_line) == ("vm/rank1.log", 2)
+    assert fe.traceback[-1] == "train_args.py: error: unrecognized arguments: --batch-size 64"
+    assert fe.explained_by == ()
+    out = _invoke(str(ARGPARSE_RUN)).output
+    assert "1. rank 1 on vm failed first: exited with code 2" in out
+    assert out.index("last lines it wrote:") < out.index("error: unrecognized arguments") \
+        < out.index("2. Consequence of the first failure")
+    assert "argparse prints" in out
+
+
+def test_sigkilled_first_rank_is_explained_by_its_launchers_report():
+    report = diagnose_run(SIGKILL_RUN)
+    fe = report.first_error
+    assert fe.summary == "rank 1 on vm failed first: killed by SIGKILL"
+    assert fe.traceback == ("rank 1 loading shard", "allocating 40 GiB of host buffers")
+    assert fe.explained_by == ("host-oom-killed",)  # torchrun's "Signal 9 (SIGKILL)" in launcher.log
+    assert [(d.rule_id, d.consequence) for d in report.diagnoses][0] == ("host-oom-killed", False)
+    out = _invoke(str(SIGKILL_RUN)).output
+    assert "(3 log file(s); first failure: vm rank 1, SIGKILL)" in out
+    assert "explained below by rule host-oom-killed" in out and "allocating 40 GiB" in out
+    data = json.loads(_invoke(str(SIGKILL_RUN), "--json").output)
+    assert data["first_error"]["kind"] == "exit"
+
+
 def test_first_failure_explained_by_a_rule_says_so(tmp_path):
     run = _run_dir(tmp_path)
     (run / "node2" / "rank3.log").write_text(fixture("nccl-backend-unavailable.2.log"))

@@ -138,6 +138,8 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
             f = report.failure
             rank = f" rank {f.rank}" if f.rank is not None else ""
             code = f", exit {f.exit_code}" if f.exit_code is not None else ""
+            if f.signal is not None:
+                code = f", {f.signal}" if f.signal.startswith("SIG") else f", signal {f.signal}"
             head += escape(f"; first failure: {f.host}{rank}{code}")
         head += ")[/]"
     con.print(head)
@@ -181,16 +183,37 @@ def _print_first_error(con, n: int, report: RunReport) -> None:
     con.print(f"   [cyan]log:[/] {escape(f'{fe.log_path}:{fe.log_line}')}")
     if fe.explained_by:
         con.print(f"   [dim]explained below by rule {escape(', '.join(fe.explained_by))}[/]")
-    else:
+    if not fe.explained_by or fe.kind == "exit":  # with no traceback, its last words are the context
         tail = fe.traceback[-6:]
-        con.print("   [cyan]traceback:[/]" + (" [dim](end)[/]" if len(tail) < len(fe.traceback) else ""))
+        label = "traceback:" if fe.kind == "exception" else "last lines it wrote:"
+        con.print(f"   [cyan]{label}[/]" + (" [dim](end)[/]" if len(tail) < len(fe.traceback) else ""))
         for line in tail:
             text = line if len(line) <= _SHOWN_LINE else line[:_SHOWN_LINE] + " ..."
             con.print(f"     {escape(text)}")
-        where = f" at {fe.where}" if fe.where else ""
-        con.print(f"   [dim]{escape(f'No known failure signature matches this exception: it was raised by the program{where}; the traceback in the log shows why.')}[/]")
+        if not tail:
+            con.print("     [dim](nothing)[/]")
+    if not fe.explained_by:
+        con.print(f"   [dim]{escape(_unexplained(fe))}[/]")
     if any(d.consequence for d in report.diagnoses):
         con.print("   [dim]The errors below on other ranks follow from this failure.[/]")
+
+
+def _unexplained(fe) -> str:
+    """What to make of a first failure no rule explains."""
+    if fe.kind == "exception":
+        where = f" at {fe.where}" if fe.where else ""
+        return (f"No known failure signature matches this exception: it was raised by the program{where}; "
+                "the traceback in the log shows why.")
+    on = fe.host or "the node"
+    if fe.exception == "killed by SIGKILL":
+        return ("It left no traceback. SIGKILL from outside the program is most often the kernel's "
+                f"out-of-memory killer (`dmesg -T | grep -i -e oom -e killed` on {on}) or a scheduler's "
+                "memory or time limit.")
+    if fe.exception.startswith("killed by"):
+        return ("It left no traceback: something outside the program sent the signal (a scheduler, "
+                "a user, a watchdog); the lines above are the last it wrote.")
+    return ("It exited without a Python traceback: the lines above usually say why (argparse prints "
+            "`error: ...` and exits with 2; sys.exit(N) and os._exit(N) print nothing).")
 
 
 def _print_hang(con, n: int, report: RunReport) -> None:

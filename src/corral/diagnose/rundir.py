@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 
 from corral.diagnose.facts import AllFacts
 from corral.diagnose.hang import Hang, read_hang
-from corral.diagnose.logtext import open_log
+from corral.diagnose.logtext import iter_lines, open_log
 from corral.diagnose.matcher import Diagnosis, Matcher
 from corral.diagnose.pyexc import basename, last_exception
 from corral.diagnose.rules import Rule, load_rules
@@ -80,6 +81,10 @@ class FirstError:
     traceback: tuple[str, ...] = ()
     #: Rules that matched in this rank's log (a known failure explains the exception).
     explained_by: tuple[str, ...] = ()
+    #: "exception" (a Python traceback), or "exit" when the rank ended without
+    #: one (a signal, ``sys.exit(2)`` from argparse...): then ``exception`` says
+    #: how it ended and ``traceback`` holds the last lines it wrote.
+    kind: str = "exception"
 
     @property
     def where(self) -> str:
@@ -102,6 +107,7 @@ class FirstError:
             "file": self.file, "line": self.line, "func": self.func, "where": self.where,
             "log": self.log, "log_line": self.log_line, "log_path": self.log_path,
             "traceback": list(self.traceback), "explained_by": list(self.explained_by),
+            "kind": self.kind,
         }
 
 
@@ -296,6 +302,52 @@ def _first_error(root: Path, logs: Sequence[tuple[Path, str | None, int | None]]
             line=frame.line if frame else None, func=frame.func if frame else None,
             log=log, log_line=exc.line, log_path=str(root / log), traceback=exc.shown,
             explained_by=tuple(d.rule_id for d in per_file[i]),
+        )
+    return _ended_without_traceback(root, logs, per_file, failure, candidates)
+
+
+def _rules_on_node(logs: Sequence[tuple[Path, str | None, int | None]],
+                   per_file: Sequence[Sequence[Diagnosis]], i: int) -> tuple[str, ...]:
+    """Rules matched in rank log ``i`` or its node's launcher log: for a rank that
+    left no traceback, torchrun's report (``Signal 9 (SIGKILL) received``) is the evidence."""
+    host = logs[i][1]
+    ids = [d.rule_id for d in per_file[i]]
+    for j, (_, h, rank) in enumerate(logs):
+        if j != i and rank is None and h == host:
+            ids += [d.rule_id for d in per_file[j] if d.rule_id not in ids]
+    return tuple(ids)
+
+
+#: Last lines of a rank log shown when the rank ended without a traceback.
+_TAIL_LINES = 6
+
+
+def _ended_without_traceback(root: Path, logs: Sequence[tuple[Path, str | None, int | None]],
+                             per_file: Sequence[Sequence[Diagnosis]], failure: Failure,
+                             candidates: Sequence[int]) -> FirstError | None:
+    """A rank killed by a signal or exiting non-zero with no traceback still
+    failed first: say how it ended and what it printed last (argparse's
+    ``error: ...``, a C++ abort message), instead of naming it only in the header."""
+    if failure.signal is not None:
+        how = f"killed by {failure.signal}" if failure.signal.startswith("SIG") \
+            else f"killed by signal {failure.signal}"
+    elif failure.exit_code is not None and failure.exit_code != 0:
+        how = f"exited with code {failure.exit_code}"
+    else:
+        return None
+    for i in candidates:
+        file, host, _ = logs[i]
+        try:
+            with open_log(file) as stream:
+                tail = deque((ln for ln in iter_lines(stream) if ln.shown.strip()), maxlen=_TAIL_LINES)
+        except OSError:
+            continue
+        log = str(file.relative_to(root))
+        return FirstError(
+            host=failure.host or host, rank=failure.rank, exception=how, type="", message="",
+            file=None, line=None, func=None, log=log, log_line=tail[-1].number if tail else 0,
+            log_path=str(root / log), traceback=tuple(ln.shown for ln in tail),
+            explained_by=_rules_on_node(logs, per_file, i), kind="exit",
         )
     return None
 
