@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -58,8 +59,9 @@ def test_running_run_whose_head_is_gone_is_shown_as_died(tmp_path: Path) -> None
 
 
 def test_head_killed_with_sigkill_shows_as_died(tmp_path: Path) -> None:
-    (tmp_path / "sleepy.py").write_text("import time\nprint('in user code', flush=True)\ntime.sleep(60)\n")
-    proc = subprocess.Popen(CORRAL + ["run", "-n", "1", "--fresh-ranks", "sleepy.py"], cwd=tmp_path,
+    script = f"sleepy_{os.getpid()}.py"  # a name no other process on this machine has
+    (tmp_path / script).write_text("import time\nprint('in user code', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen(CORRAL + ["run", "-n", "1", "--fresh-ranks", script], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -80,6 +82,9 @@ def test_head_killed_with_sigkill_shows_as_died(tmp_path: Path) -> None:
         proc.wait()
         # the local agent sees its head's pipe close and stops the rank
         deadline = time.monotonic() + 20
-        while subprocess.run(["pgrep", "-f", "sleepy.py"], capture_output=True, check=False).returncode == 0:
-            assert time.monotonic() < deadline, "the rank outlived its head"
+        while subprocess.run(["pgrep", "-f", script], capture_output=True, check=False).returncode == 0:
+            if time.monotonic() > deadline:
+                ps = subprocess.run(["ps", "-eo", "pid,ppid,sid,stat,etime,args"], capture_output=True,
+                                    text=True, check=False).stdout
+                raise AssertionError(f"the rank outlived its head by 20 s:\n{ps}")
             time.sleep(0.2)
