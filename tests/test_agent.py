@@ -16,17 +16,27 @@ from corral.model import Cluster, Host
 def test_newlines_and_carriage_returns() -> None:
     sp = LineSplitter()
     lines, status = sp.feed(b"a\nb\r\n 10%|#\r 20%|##\r")
-    assert lines == [b"a", b"b"] and status == b" 10%|#"  # the last '\r' may start '\r\n'
+    assert lines == [(b"a", False), (b"b", False)] and status == b" 10%|#"  # the last '\r' may start '\r\n'
     lines, status = sp.feed(b" 30%|###\r100%|####\n")
-    assert lines == [b"100%|####"] and status is None
+    assert lines == [(b"100%|####", False)] and status is None
     lines, status = sp.feed(b"partial")
-    assert lines == [] and sp.flush() == [b"partial"]
+    assert lines == [] and sp.flush() == [(b"partial", False)]
 
 
-def test_huge_line_without_newline_is_sent_in_pieces() -> None:
+def test_huge_line_is_sent_in_pieces_marked_to_be_joined() -> None:
     sp = LineSplitter()
-    lines, _ = sp.feed(b"x" * (200 * 1024))
-    assert lines and len(lines[0]) == 200 * 1024
+    line = ("\u00e9" * (150 * 1024)).encode()  # 2-byte characters: a cut could land mid-character
+    pieces = []
+    for i in range(0, len(line), 65536):
+        got, _ = sp.feed(line[i:i + 65536])
+        pieces += got
+    got, _ = sp.feed(b"\r\nnext\n")
+    pieces += got
+    assert all(more for _, more in pieces[:-2]) and pieces[-2:][1] == (b"next", False)
+    joined = b"".join(p for p, _ in pieces[:-1])
+    assert joined == line and pieces[-2][1] is False
+    for piece, _ in pieces[:-1]:
+        piece.decode("utf-8")  # every piece is whole characters
 
 
 def _local() -> Cluster:

@@ -93,6 +93,22 @@ def test_run_directory_layout(tmp_path: Path) -> None:
     assert "progress 19/20" in rank1
 
 
+def test_a_very_long_line_stays_one_line_in_the_rank_log(tmp_path: Path) -> None:
+    # 300,000 characters, multi-byte ones included: more than one event's worth
+    write(tmp_path / "long.py", """
+        import json, os, sys
+        rank = os.environ["RANK"]
+        sys.stdout.write(json.dumps({"rank": rank, "v": "\u00e9x" * 150000}, ensure_ascii=False) + "\\n")
+        print("after", rank)
+    """)
+    res = corral(["run", "--ranks", "all", "long.py"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    [host_dir] = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()][0].glob("*/")
+    lines = (host_dir / "rank1.log").read_text(encoding="utf-8").splitlines()
+    assert json.loads(lines[0]) == {"rank": "1", "v": "\u00e9x" * 150000}
+    assert lines[1] == "after 1"
+
+
 def test_failing_rank_exit_code_and_summary(tmp_path: Path) -> None:
     write(tmp_path / "fail.py", """
         import os, sys, time

@@ -138,6 +138,10 @@ def _exception_line(lines: list[str]) -> str | None:
     return exc.text if exc else None
 
 
+#: Longest line kept whole (characters); a longer one is written in parts.
+MAX_JOINED = 8 * 1024 * 1024
+
+
 @dataclass
 class NodeState:
     plan: NodePlan
@@ -169,6 +173,8 @@ class JobWatch:
         #: When a rank last wrote anything (for --hang-timeout).
         self.last_progress = time.monotonic()
         self._seq = itertools.count()
+        #: Pieces of a line too long for one event (the agent marks them ``more``).
+        self._pieces: dict[tuple[str, int | None, str], list[str]] = {}
 
     # -- events ------------------------------------------------------------
 
@@ -181,7 +187,9 @@ class JobWatch:
             self.last_progress = time.monotonic()
         if kind == "line":
             rank = ev.get("r")
-            text = ev.get("t", "")
+            text = self._join(host, rank, ev)
+            if text is None:
+                return
             (self.tails[rank] if rank is not None else node.launcher_tail).append(text)
             for s in self.sinks:
                 s.line(host, rank, ev.get("s", "out"), text)
@@ -217,6 +225,24 @@ class JobWatch:
         elif kind == "fatal":
             self._fail(Failure(host=host, rank=None, kind="start", reason=str(ev.get("t"))))
             node.exited = True
+
+    def _join(self, host: str, rank: int | None, ev: dict) -> str | None:
+        """The whole line once its last piece arrives (None while more follow);
+        a line is capped at ``MAX_JOINED`` characters, the rest becoming new lines."""
+        key = (host, rank, ev.get("s", "out"))
+        text = ev.get("t", "")
+        pieces = self._pieces.get(key)
+        if ev.get("more"):
+            if pieces is None:
+                pieces = self._pieces[key] = []
+            pieces.append(text)
+            if sum(map(len, pieces)) < MAX_JOINED:
+                return None
+            text = ""
+        if pieces:
+            del self._pieces[key]
+            return "".join(pieces) + text
+        return text
 
     def _rank_exit(self, host: str, ev: dict) -> None:
         code, sig, exc = ev.get("code"), ev.get("sig"), ev.get("exc")

@@ -55,7 +55,11 @@ class LineSplitter:
         self.buf = b""
 
     def feed(self, data: bytes) -> tuple:
-        """Return (lines, last_status) for this chunk."""
+        """Return (lines, last_status) for this chunk.
+
+        A line longer than ``MAX_PARTIAL`` without its newline yet is sent in
+        pieces, each ``(piece, True)`` ("more follows"), cut between UTF-8
+        characters; the head joins them back into one line."""
         self.buf += data.replace(b"\r\n", b"\n")
         lines = []
         status = None
@@ -72,17 +76,26 @@ class LineSplitter:
                     status = seg
                 continue
             seg, self.buf = self.buf[:i_n], self.buf[i_n + 1 :]
-            lines.append(seg)
+            lines.append((seg, False))
             status = None
         if len(self.buf) > MAX_PARTIAL:
-            lines.append(self.buf)
-            self.buf = b""
+            cut = _char_boundary(self.buf, len(self.buf) - 1)  # keep a trailing '\r' for '\r\n'
+            lines.append((self.buf[:cut], True))
+            self.buf = self.buf[cut:]
         return lines, status
 
     def flush(self) -> list:
         rest, self.buf = self.buf, b""
         rest = rest.rstrip(b"\r")
-        return [rest] if rest else []
+        return [(rest, False)] if rest else []
+
+
+def _char_boundary(b: bytes, end: int) -> int:
+    """The largest cut <= ``end`` that does not split a UTF-8 character."""
+    cut = end
+    while cut > end - 4 and cut > 0 and (b[cut] & 0xC0) == 0x80:
+        cut -= 1
+    return cut if cut > end - 4 else end
 
 
 def _text(b: bytes) -> str:
@@ -113,8 +126,11 @@ class Relay:
             lines, status = self.splitter.feed(data)
             if lines:
                 self.pending = None  # a finished line supersedes a half-drawn bar
-            for line in lines:
-                self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line))
+            for line, more in lines:
+                if more:
+                    self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line), more=1)
+                else:
+                    self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line))
             if status is not None:
                 self.pending = status
         self.tick()
@@ -129,7 +145,7 @@ class Relay:
 
     def close(self) -> None:
         with self.lock:
-            for line in self.splitter.flush():
+            for line, _ in self.splitter.flush():
                 self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line))
 
 
