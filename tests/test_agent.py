@@ -174,3 +174,17 @@ def test_job_temp_dir_and_its_parent_are_removed_at_the_end(tmp_path, monkeypatc
     events.clear()
     asyncio.run(job("r2-1", "pass"))
     assert [p.name for p in root.iterdir()] == ["other-job"]
+
+
+def test_piece_cuts_never_split_a_character_and_survive_invalid_bytes() -> None:
+    from corral.agent.relay import MAX_PARTIAL
+
+    for unit in ("\U0001f525".encode(), b"\x80"):  # a 4-byte emoji; a stray continuation byte
+        sp = LineSplitter()
+        data = b"a" + unit * (MAX_PARTIAL // len(unit) + 10)
+        pieces, _ = sp.feed(data)
+        rest = sp.flush()
+        assert b"".join(p for p, _ in pieces + rest) == data
+        if unit != b"\x80":
+            for piece, _ in pieces + rest:
+                piece.decode("utf-8")
