@@ -194,6 +194,41 @@ def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
     assert not mine
 
 
+def test_ctrl_c_reaches_the_script_as_keyboard_interrupt(tmp_path: Path) -> None:
+    """As with torchrun in a terminal: the ranks get SIGINT, so a script's
+    `except KeyboardInterrupt` (save a checkpoint) and `finally` blocks run."""
+    write(tmp_path / "ckpt.py", """
+        import os, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        try:
+            print("ready", flush=True)
+            time.sleep(600)
+        except KeyboardInterrupt:
+            open(f"interrupted-{rank}", "w").close()
+        finally:
+            open(f"finally-{rank}", "w").close()
+    """)
+    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", "ckpt.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ready = 0
+        for line in proc.stdout:  # type: ignore[union-attr]
+            ready += "ready" in line
+            if ready == 2:
+                break
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        assert proc.returncode == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert sorted(p.name for p in tmp_path.glob("*-[01]")) == [
+        "finally-0", "finally-1", "interrupted-0", "interrupted-1"]
+
+
 def test_dry_run_prints_plan_and_starts_nothing(tmp_path: Path) -> None:
     res = corral(["run", "--dry-run", "--json", "-n", "3", "--env", "FOO=bar", "train.py", "--lr", "3"], tmp_path)
     assert res.returncode == 0, res.stderr

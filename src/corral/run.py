@@ -158,14 +158,19 @@ class Runner:
         self.logs: RunLogs | None = None
         self.attempt: _Attempt | None = None
         self.interrupts = 0
+        #: What stopped the head: SIGINT (Ctrl-C) is passed on to the ranks as
+        #: SIGINT, so their KeyboardInterrupt handlers run; SIGTERM/SIGHUP as SIGTERM.
+        self.interrupt_signal: int | None = None
         self.hang_stacks: tuple[str, ...] = ()
         self._wake: asyncio.Event | None = None
         self.started = time.time()
 
     # -- signals -----------------------------------------------------------
 
-    def interrupt(self) -> None:
+    def interrupt(self, sig: int = signal.SIGINT) -> None:
         self.interrupts += 1
+        if self.interrupt_signal is None:
+            self.interrupt_signal = sig
         if self._wake is not None:
             self._wake.set()
 
@@ -174,7 +179,7 @@ class Runner:
         installed = []
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             try:
-                loop.add_signal_handler(sig, self.interrupt)
+                loop.add_signal_handler(sig, self.interrupt, sig)
                 installed.append(sig)
             except (ValueError, RuntimeError, NotImplementedError):
                 pass  # not the main thread (library use): the caller handles signals
@@ -346,7 +351,9 @@ class Runner:
 
         async def stop(s: AgentSession, reason: str) -> None:
             stop_sent.add(s.name)
-            await s.send(op="stop", grace=self.options.grace, reason=reason)
+            ctrl_c = self.interrupts and self.interrupt_signal == signal.SIGINT
+            await s.send(op="stop", grace=self.options.grace, reason=reason,
+                         sig=int(signal.SIGINT if ctrl_c else signal.SIGTERM))
 
         while not watch.all_done:
             self._wake.clear()

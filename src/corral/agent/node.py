@@ -324,7 +324,7 @@ class Agent:
         self.stopping = True
         grace = float(msg.get("grace", 5.0))
         self.chan.send(ev="log", level="info", t="stopping (%s)" % msg.get("reason", "asked by head"))
-        kill_tree(grace, {self.proc.pid})
+        kill_tree(grace, {self.proc.pid}, first=int(msg.get("sig") or signal.SIGTERM))
 
     def op_signal(self, msg: dict) -> None:
         sig = int(msg["sig"])

@@ -134,18 +134,30 @@ def reap_orphans(keep: set) -> None:
             pass
 
 
-def kill_tree(grace: float, keep: set) -> None:
-    """SIGTERM everything we started, then SIGKILL what is left after ``grace``."""
-    if signal_tree(signal.SIGTERM) == 0:
+def kill_tree(grace: float, keep: set, first: int = signal.SIGTERM) -> None:
+    """Signal everything we started with ``first`` (SIGTERM; SIGINT for a
+    Ctrl-C, so the program's KeyboardInterrupt handlers run, as under a
+    terminal), then SIGTERM what is left after ``grace`` (when ``first`` was
+    not SIGTERM: a DataLoader worker ignores SIGINT) and SIGKILL the rest."""
+    if signal_tree(first) == 0:
         return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        reap_orphans(keep)
-        if not [p for p in descendants(os.getpid()) if not _is_zombie(p)]:
+    if _wait_gone(grace, keep):
+        return
+    if first != signal.SIGTERM:
+        if signal_tree(signal.SIGTERM) == 0 or _wait_gone(1.0, keep):
             return
-        time.sleep(0.05)
     for _ in range(50):
         if signal_tree(signal.SIGKILL) == 0:
             return
         time.sleep(0.05)
         reap_orphans(keep)
+
+
+def _wait_gone(timeout: float, keep: set) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reap_orphans(keep)
+        if not [p for p in descendants(os.getpid()) if not _is_zombie(p)]:
+            return True
+        time.sleep(0.05)
+    return False
