@@ -66,6 +66,28 @@ def test_accelerate_plan() -> None:
     assert "--multi_gpu" in cpu.nodes[0].argv and cpu.nodes[0].env["ACCELERATE_USE_CPU"] == "1"
 
 
+def test_accelerate_keeps_the_mode_the_user_chose(tmp_path) -> None:
+    """--multi_gpu would override a config's FSDP/DeepSpeed (accelerate reads
+    distributed_type only when no mode flag is given): corral adds it only
+    when the user chose no mode."""
+    def argv(*launcher_args: str) -> tuple[str, ...]:
+        spec = RunSpec(program="train.py", launcher="accelerate", run_id="r", launcher_args=launcher_args)
+        return plan(spec, facts={"node1": NodeFacts(gpus=2), "node2": NodeFacts(gpus=2)}).nodes[0].argv
+
+    fsdp = tmp_path / "fsdp.yaml"
+    fsdp.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
+    ddp = tmp_path / "ddp.yaml"
+    ddp.write_text("distributed_type: MULTI_GPU\nmixed_precision: bf16\n")
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text('{"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}}')
+    assert "--multi_gpu" not in argv(f"--config_file={fsdp}")
+    assert "--multi_gpu" not in argv("--config-file", str(ds_json))
+    assert "--multi_gpu" not in argv("--use_deepspeed") and "--multi_gpu" not in argv("--use-fsdp")
+    assert argv("--multi_gpu").count("--multi_gpu") == 1
+    assert "--multi_gpu" in argv(f"--config_file={ddp}")
+    assert "--multi_gpu" in argv("--config_file=missing.yaml", "--mixed_precision=bf16")
+
+
 def test_deepspeed_plan_world_info() -> None:
     p = plan(RunSpec(program="train.py", launcher="deepspeed", run_id="r"))
     argv = p.nodes[1].argv

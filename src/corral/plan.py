@@ -213,7 +213,7 @@ def build_plan(
             python=host.python, program=spec.program, args=spec.args, module=spec.module,
             node_rank=rank, nnodes=len(hosts), nproc=nproc, master_addr=master_addr,
             master_port=master_port, hostnames=names, gpus=nf.gpus,
-            launcher_args=spec.launcher_args,
+            launcher_args=spec.launcher_args, local_dir=head_cwd,
         )
         cmd = PLANNERS[spec.launcher](ctx)
         env: dict[str, str] = {}

@@ -12,7 +12,16 @@ Anything else (mixed precision, a DeepSpeed/FSDP config file) goes through
 
 from __future__ import annotations
 
+import os
+import re
+
 from corral.launchers.base import NodeCommand, NodeContext, node_env
+
+#: accelerate's flags that pick the distributed mode themselves.
+_MODE_FLAGS = {"--multi_gpu", "--cpu", "--tpu", "--use_fsdp", "--use_deepspeed", "--use_megatron_lm"}
+#: distributed_type values a config file sets that --multi_gpu would override.
+_CONFIG_MODES = {"FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"}
+_DISTRIBUTED_TYPE = re.compile(r'(?:^|[{,])\s*"?distributed_type"?\s*:\s*["\']?(\w+)', re.MULTILINE)
 
 
 def plan(ctx: NodeContext) -> NodeCommand:
@@ -29,8 +38,11 @@ def plan(ctx: NodeContext) -> NodeCommand:
         # --multi_gpu is accelerate's multi-process mode (it starts the local
         # ranks through torchrun); on CPU-only nodes ACCELERATE_USE_CPU makes
         # those processes train together over gloo.  (`--cpu` alone would
-        # start a single process.)
-        argv.append("--multi_gpu")
+        # start a single process.)  Not when the user chose the mode: any of
+        # these flags, or a config file whose distributed_type is FSDP,
+        # DeepSpeed, Megatron-LM or XLA, would be overridden by --multi_gpu.
+        if user_mode(ctx.launcher_args, ctx.local_dir) is None:
+            argv.append("--multi_gpu")
         if not ctx.gpus:
             env["ACCELERATE_USE_CPU"] = "1"
     argv += list(ctx.launcher_args)
@@ -38,3 +50,30 @@ def plan(ctx: NodeContext) -> NodeCommand:
         argv.append("--module")
     argv += [ctx.program, *ctx.args]
     return NodeCommand(argv=tuple(argv), env=env)
+
+
+def user_mode(launcher_args: tuple[str, ...], local_dir: str | None) -> str | None:
+    """The distributed mode the user chose in --launcher-arg, if any: a mode
+    flag, or a ``--config_file`` whose ``distributed_type`` is FSDP, DeepSpeed,
+    Megatron-LM or XLA (read here, where corral runs: the project is the same
+    on every node)."""
+    for i, arg in enumerate(launcher_args):
+        name, eq, value = arg.partition("=")
+        name = "--" + name[2:].replace("-", "_") if name.startswith("--") else name
+        if name in _MODE_FLAGS:
+            return name
+        if name == "--config_file":
+            path = value if eq else (launcher_args[i + 1] if i + 1 < len(launcher_args) else "")
+            mode = _config_mode(os.path.join(local_dir or ".", os.path.expanduser(path)))
+            if mode in _CONFIG_MODES:
+                return mode
+    return None
+
+
+def _config_mode(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            m = _DISTRIBUTED_TYPE.search(f.read(1 << 20))
+    except OSError:
+        return None
+    return m.group(1).upper() if m else None

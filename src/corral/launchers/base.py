@@ -33,6 +33,9 @@ class NodeContext:
     gpus: int | None = None
     #: Extra arguments for the launcher itself (``--launcher-arg``).
     launcher_args: tuple[str, ...] = ()
+    #: The directory corral was started in: a relative file named in
+    #: ``launcher_args`` (accelerate's ``--config_file``) is read from here.
+    local_dir: str | None = None
 
     @property
     def world_size(self) -> int:
