@@ -881,3 +881,17 @@ def test_traceback_parsing_handles_windows_paths_syntax_errors_and_half_tracebac
     # a traceback cut off before its exception line names nothing
     assert parse_traceback(iter_text('Traceback (most recent call last):\n  File "/w/t.py", line 3, in f\n')) is None
     assert last_exception(FIXTURES / "negative-clean-run.log") is None
+
+
+def test_traceback_after_a_partial_line_is_still_the_rank_s_exception(tmp_path):
+    """print("loading checkpoint ... ", end="") and then a crash: the header is mid-line."""
+    from corral.diagnose.pyexc import last_exception
+
+    log = tmp_path / "rank1.log"
+    log.write_text("step 1\nloading checkpoint ckpt/last.pt ... Traceback (most recent call last):\n"
+                   '  File "/work/train.py", line 12, in <module>\n'
+                   "    state = torch.load(path)\n"
+                   "FileNotFoundError: [Errno 2] No such file or directory: 'ckpt/last.pt'\n")
+    exc = last_exception(log)
+    assert exc is not None and exc.type == "FileNotFoundError"
+    assert exc.user_frame is not None and exc.user_frame.line == 12

@@ -98,7 +98,8 @@ def parse_traceback(lines: Iterable[LogLine]) -> PyException | None:
     shown: list[str] = []
     for ln in lines:
         text = ln.text
-        if text.startswith(_HEADER):
+        if text.startswith(_HEADER) or text.endswith(_HEADER + ":"):
+            # also after a partial line: print("loading ...", end="") then a crash
             base, frames, shown = _indent(ln), [], [ln.shown]
             continue
         if base is None or not text:
