@@ -265,6 +265,24 @@ def test_ranks_beyond_the_world_are_refused_before_anything_starts(tmp_path: Pat
     assert not (tmp_path / "started").exists() and not (tmp_path / "runs").exists()
 
 
+def test_another_launchers_rank_variables_do_not_reach_the_ranks(tmp_path: Path) -> None:
+    """corral inside an sbatch/srun step: the local node must not hand the
+    step's SLURM_PROCID/SLURM_NTASKS (Lightning reads them first) to the ranks."""
+    write(tmp_path / "env.py", """
+        import json, os
+        keys = ["SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "SLURM_JOB_ID", "RANK", "FROM_FLAG"]
+        print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
+    """)
+    env = dict(os.environ, SLURM_PROCID="7", SLURM_NTASKS="8", OMPI_COMM_WORLD_RANK="5", SLURM_JOB_ID="4242")
+    res = corral(["run", "--ranks", "all", "--env", "FROM_FLAG=1", "env.py"], tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    seen = [json.loads(line.split("ENV ", 1)[1]) for line in res.stdout.splitlines() if "ENV " in line]
+    assert sorted(e["RANK"] for e in seen) == ["0", "1"]
+    for e in seen:
+        assert (e["SLURM_PROCID"], e["SLURM_NTASKS"], e["OMPI_COMM_WORLD_RANK"]) == (None, None, None)
+        assert (e["SLURM_JOB_ID"], e["FROM_FLAG"]) == ("4242", "1")
+
+
 def test_bad_env_flag_is_a_usage_error(tmp_path: Path) -> None:
     res = corral(["run", "--env", "NOT_SET_ANYWHERE_XYZ", "train.py"], tmp_path)
     assert res.returncode == 2

@@ -66,3 +66,34 @@ def activate_python(env: dict) -> None:
     if bindir.rstrip("/") in parts:
         return
     env["PATH"] = bindir + os.pathsep + path
+
+
+#: Variables that give a process its place in *another* launcher's job: a
+#: Slurm step (srun), MPI, or an outer torchrun.  A node inherits them when
+#: corral itself runs inside one (the head inside `sbatch`/`srun` is node 0
+#: of its own run): left in, Lightning's SLURMEnvironment takes SLURM_NTASKS
+#: and SLURM_PROCID over corral's ranks, and scripts that read SLURM_PROCID or
+#: OMPI_COMM_WORLD_RANK first get another process's rank.  The job-level
+#: SLURM_JOB_* variables stay.  A value the run itself sets (--env) wins.
+FOREIGN_RANK_VARS = frozenset((
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS",
+    "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_ID", "SLURM_STEPID",
+    "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_LAUNCHER_PORT", "SLURM_TASK_PID", "SLURM_GTIDS",
+    "SLURM_LAUNCH_NODE_IPADDR", "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT",
+    "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE", "PMIX_RANK",
+    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_NODE_RANK",
+    "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+))
+
+
+def job_environment(inherited: dict, job: dict) -> dict:
+    """The node's own environment without another launcher's rank variables,
+    then the job's (the plan's) on top."""
+    env = {k: v for k, v in inherited.items() if k not in FOREIGN_RANK_VARS}
+    env.update(job)
+    return env

@@ -37,12 +37,12 @@ import threading
 import time
 
 try:  # on a node, modules are installed under their wire names
-    from corral_agent_jobenv import activate_python, elastic_log_dir
+    from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment
     from corral_agent_prescan import env_mismatch
     from corral_agent_proctree import become_subreaper, kill_tree, reap_orphans
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
-    from corral.agent.jobenv import activate_python, elastic_log_dir
+    from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment
     from corral.agent.prescan import env_mismatch
     from corral.agent.proctree import become_subreaper, kill_tree, reap_orphans
     from corral.agent.relay import Channel, RankTailer, Relay, pump_pipe
@@ -226,8 +226,7 @@ class Agent:
             self.chan.send(ev="fatal", t="cannot create %s: %s" % (self.workdir_tmp, e))
             self.cleanup_tmp()
             return
-        env = dict(os.environ)
-        env.update(spec.get("env", {}))
+        env = job_environment(dict(os.environ), spec.get("env", {}))
         old_pp = env.get("PYTHONPATH")
         env["PYTHONPATH"] = hook_dir + (os.pathsep + old_pp if old_pp else "")
         env["CORRAL_LOG_DIR"] = log_dir
