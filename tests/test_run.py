@@ -134,6 +134,33 @@ def test_failing_rank_exit_code_and_summary(tmp_path: Path) -> None:
     assert record["failure"]["rank"] == 1 and record["failure"]["exit_code"] == 7
 
 
+def test_a_rank_that_left_early_is_named_instead_of_blaming_its_peer(tmp_path: Path) -> None:
+    write(tmp_path / "early.py", """
+        import sys, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            sys.exit(0)          # done early: one rank had less work
+        time.sleep(2)
+        dist.barrier()           # loses its peer
+    """)
+    res = corral(["run", "early.py"], tmp_path)
+    assert res.returncode != 0
+    assert "rank 0 on " in res.stderr and "had already exited cleanly (code 0)" in res.stderr
+    assert "Likely cause: A peer rank went away" not in res.stderr  # the echo is not the cause
+
+
+def test_a_multi_line_exception_is_one_line_in_the_summary(tmp_path: Path) -> None:
+    write(tmp_path / "multi.py", """
+        raise RuntimeError("checkpoint failed on 3 ranks:\\n" + "\\n".join(f"  rank {i}: " + "x" * 300 for i in range(3)))
+    """)
+    res = corral(["run", "-n", "1", "multi.py"], tmp_path)
+    assert res.returncode == 1
+    [line] = [ln for ln in res.stderr.splitlines() if "FAILED" in ln]
+    assert "failed: RuntimeError: checkpoint failed on 3 ranks: ... (exited with code 1)" in line
+    assert "rank 2: xxx" in res.stderr  # the whole message is still in the traceback tail
+
+
 def test_traceback_tail_of_uncaught_exception(tmp_path: Path) -> None:
     write(tmp_path / "boom.py", """
         import torch.distributed as dist

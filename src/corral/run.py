@@ -81,6 +81,8 @@ class RunResult:
     failure_tail: tuple[str, ...] = ()
     failure_log: Path | None = None
     diagnoses: tuple[Any, ...] = ()
+    #: (host, rank) that exited cleanly before a failure that echoes a vanished peer.
+    left_early: tuple[tuple[str, int], ...] = ()
     attempts: int = 1
     duration_s: float = 0.0
     #: The merged stack tree, when a hang was detected.
@@ -421,7 +423,9 @@ class Runner:
         tail: tuple[str, ...] = ()
         diagnoses: tuple[Any, ...] = ()
         failure_log = None
+        left_early: tuple[tuple[str, int], ...] = ()
         if failure is not None and failure.kind != "hang":  # a hang's story is its stacks
+            left_early = tuple(watch.left_early(failure))
             tail = tuple(watch.tail_for(failure))
             failure_log = self.logs.path_for(failure.host, failure.rank)
             diagnoses = _diagnose(watch.text_for_diagnosis(failure), failure)
@@ -429,7 +433,7 @@ class Runner:
         return RunResult(
             run_id=plan.run_id, status=status, exit_code=code, run_dir=self.logs.dir, plan=plan,
             failure=failure, failure_tail=tail, failure_log=failure_log, diagnoses=diagnoses,
-            attempts=attempts, duration_s=duration, stacks=self.hang_stacks,
+            left_early=left_early, attempts=attempts, duration_s=duration, stacks=self.hang_stacks,
         )
 
     def _record(self, plan: LaunchPlan, status: str, failure: Failure | None, attempts: int,

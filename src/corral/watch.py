@@ -87,7 +87,7 @@ class Failure:
         elif self.code is not None:
             how = f"exited with code {self.code}"
         if self.exc:
-            return f"{where} failed: {self.exc}" + (f" ({how})" if how else "")
+            return f"{where} failed: {short_exc(self.exc)}" + (f" ({how})" if how else "")
         return f"{where} {how}" if how else f"{where} failed"
 
     @property
@@ -138,6 +138,16 @@ def _exception_line(lines: list[str]) -> str | None:
     return exc.text if exc else None
 
 
+def short_exc(text: str, limit: int = 240) -> str:
+    """An exception for a one-line summary: its first line, cut at ``limit``
+    (a CheckpointException or a multi-line RuntimeError carries pages)."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    first = lines[0].strip() if lines else text.strip()
+    if len(first) > limit:
+        return first[:limit].rstrip() + " ..."
+    return first + (" ..." if len(lines) > 1 else "")
+
+
 #: Longest line kept whole (characters); a longer one is written in parts.
 MAX_JOINED = 8 * 1024 * 1024
 
@@ -173,6 +183,8 @@ class JobWatch:
         #: When a rank last wrote anything (for --hang-timeout).
         self.last_progress = time.monotonic()
         self._seq = itertools.count()
+        #: Ranks that exited with code 0 while the job still ran: (seq, host, rank).
+        self.clean_exits: list[tuple[int, str, int]] = []
         #: Pieces of a line too long for one event (the agent marks them ``more``).
         self._pieces: dict[tuple[str, int | None, str], list[str]] = {}
 
@@ -246,6 +258,8 @@ class JobWatch:
 
     def _rank_exit(self, host: str, ev: dict) -> None:
         code, sig, exc = ev.get("code"), ev.get("sig"), ev.get("exc")
+        if code == 0 and not sig and not exc and not self.stopping and ev.get("r") is not None:
+            self.clean_exits.append((next(self._seq), host, int(ev["r"])))
         if not code and not sig and not exc:
             # A clean exit, or one whose status the launcher reaped before the
             # agent looked: the node's own exit code says which.
@@ -330,6 +344,14 @@ class JobWatch:
     @property
     def all_done(self) -> bool:
         return all(n.done for n in self.nodes.values())
+
+    def left_early(self, failure: Failure) -> list[tuple[str, int]]:
+        """Ranks that had exited cleanly before ``failure``, when it is the echo
+        of a vanished peer: their leaving is the likely cause (uneven work per
+        rank, an early ``return`` on one rank)."""
+        if not failure.consequential:
+            return []
+        return [(host, rank) for seq, host, rank in self.clean_exits if seq < failure.seq]
 
     def root_cause(self) -> Failure | None:
         if not self.failures:

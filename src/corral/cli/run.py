@@ -248,8 +248,10 @@ def _summary(result: RunResult, as_json: bool) -> None:
     assert f is not None
     con.print(f"[bold red]corral: run {result.run_id} FAILED[/] after {result.duration_s:.1f}s "
               f"(attempt {result.attempts}): {escape(f.describe())} [dim](first failure)[/]")
-    if f.exc:
-        con.print(f"  [red]{escape(f.exc)}[/]")
+    for host, rank in result.left_early[:3]:
+        con.print(f"  [yellow]rank {rank} on {escape(host)} had already exited cleanly (code 0)[/] while the "
+                  "others were still running: their next collective then lost a peer. Give every rank the "
+                  "same work (the same number of steps and batches) or end every rank at the same barrier.")
     if result.stacks:
         con.print("  [bold]where every rank is:[/]")
         for line in result.stacks:
@@ -258,12 +260,23 @@ def _summary(result: RunResult, as_json: bool) -> None:
         con.print(f"  [dim]--- last lines of {escape(str(result.failure_log))} ---[/]")
         for line in result.failure_tail:
             con.print("  " + escape(line), soft_wrap=True)
-    for d in result.diagnoses[:1]:
+    for d in _causes(result)[:1]:
         con.print(f"  [bold yellow]Likely cause:[/] {escape(getattr(d, 'title', str(d)))}"
                   + (f" — {escape(d.cause)}" if getattr(d, "cause", None) else ""))
         for step in getattr(d, "fix", ()) or ():
             con.print(f"  [bold]Fix:[/] {escape(str(step))}")
     con.print(f"  {escape(where)}")
+
+
+def _causes(result: RunResult) -> list:
+    """Diagnoses worth calling the likely cause.  A symptom (a peer went away)
+    is not, when the first failure has its own exception or a rank left early:
+    those are the cause, and the symptom was quoted from a sibling's output."""
+    f = result.failure
+    causes = [d for d in result.diagnoses if not getattr(d, "symptom", False)]
+    if causes or (f is not None and ((f.exc and not f.consequential) or result.left_early)):
+        return causes
+    return list(result.diagnoses)
 
 
 def _result_json(result: RunResult) -> dict:
@@ -276,6 +289,7 @@ def _result_json(result: RunResult) -> dict:
             "host": f.host, "rank": f.rank, "kind": f.kind, "exit_code": f.code,
             "signal": f.signal_name, "exception": f.exc, "reason": f.reason,
             "description": f.describe(), "tail": list(result.failure_tail),
+            "left_early": [{"host": h, "rank": r} for h, r in result.left_early],
             "log": str(result.failure_log) if result.failure_log else None,
         },
         "stacks": list(result.stacks),
