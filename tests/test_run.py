@@ -161,6 +161,20 @@ def test_a_multi_line_exception_is_one_line_in_the_summary(tmp_path: Path) -> No
     assert "rank 2: xxx" in res.stderr  # the whole message is still in the traceback tail
 
 
+def test_a_hang_in_a_rendezvous_the_script_chose_is_explained(tmp_path: Path) -> None:
+    write(tmp_path / "ownport.py", """
+        import os, socket
+        import torch.distributed as dist
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        os.environ["MASTER_PORT"] = str(port)   # as older repos do: overrides the launcher's store
+        dist.init_process_group("gloo")
+    """)
+    res = corral(["run", "--hang-timeout", "8", "ownport.py"], tmp_path, timeout=120)
+    assert res.returncode == 124, res.stderr
+    assert "still connecting to a rendezvous store: corral's is 127.0.0.1:" in res.stderr
+    assert "init_method='env://'" in res.stderr
+
+
 def test_traceback_tail_of_uncaught_exception(tmp_path: Path) -> None:
     write(tmp_path / "boom.py", """
         import torch.distributed as dist

@@ -150,3 +150,21 @@ def stack_report(dumps: dict[int, str], world_size: int) -> tuple[list[str], set
     missing = set(range(world_size)) - set(stacks)
     root = merge(stacks)
     return render(root, missing=missing), odd_ones_out(root)
+
+
+#: Frames of torch.distributed still connecting to its rendezvous store.
+_RENDEZVOUS_FRAMES = ("_create_c10d_store", "_env_rendezvous_handler", "_tcp_rendezvous_handler",
+                      "_create_tcp_store", "TCPStore")
+
+
+def rendezvous_note(dumps: dict[int, str], master_addr: str, master_port: int) -> str | None:
+    """A hang with ranks still connecting to the store is almost always a
+    script that picks its own rendezvous (``os.environ["MASTER_PORT"] = ...``,
+    ``init_method="tcp://..."``): the store it waits for is never started."""
+    waiting = sorted(r for r, text in dumps.items() if any(f in text for f in _RENDEZVOUS_FRAMES))
+    if not waiting:
+        return None
+    return (f"{fold_ranks(set(waiting))} still connecting to a rendezvous store: corral's is "
+            f"{master_addr}:{master_port} (MASTER_ADDR:MASTER_PORT); a script that sets MASTER_ADDR, "
+            "MASTER_PORT or init_method='tcp://...' itself waits for a store nobody starts: "
+            "use init_method='env://' (the default) and leave those variables to corral")

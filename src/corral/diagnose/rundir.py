@@ -400,8 +400,11 @@ def _merge(per_file: list[list[Diagnosis]], failure: Failure | None,
                 lines.append(d.lines[0])
         hosts = sorted({h for d in ds for h in (d.hosts or ((d.host,) if d.host else ()))})
         ranks = sorted({r for d in ds for r in (d.ranks or ((d.rank,) if d.rank is not None else ()))})
-        consequence = (primary.symptom and failure is not None and failure.host is not None
-                       and not _at_failure(primary, failure))
+        # A hung run printed no error of its own: a symptom in it (SIGTERM to
+        # the launchers, a peer gone) is corral's teardown after the timeout.
+        consequence = (primary.symptom and failure is not None
+                       and (failure.kind == "hang"
+                            or (failure.host is not None and not _at_failure(primary, failure))))
         merged.append(replace(primary, confidence=max(d.confidence for d in ds),
                               lines=tuple(lines), hosts=tuple(hosts), ranks=tuple(ranks),
                               consequence=consequence))
