@@ -646,6 +646,8 @@ def test_hung_run_names_the_rank_elsewhere_and_its_frame():
     assert hang.stacks_file == str(HANG_RUN / "stacks-122436.txt")
     assert hang.summary == ("the job hung (no progress for 20s): rank 4 on h1n3 at read_shard "
                             "hang_rank.py:9, elsewhere than the others")
+    # torchrun's "Received 15 death signal" on the odd rank's node is corral's own teardown
+    assert [(d.rule_id, d.consequence) for d in report.diagnoses] == [("launcher-sigterm", True)]
 
 
 def test_cli_reports_a_hang_and_exits_0():
