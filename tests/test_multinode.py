@@ -224,6 +224,22 @@ def test_rank_crash_stops_every_node(sandbox, workdir: Path) -> None:
     assert_clean(sandbox, within=5)
 
 
+def test_a_variable_that_did_not_travel_is_named(sandbox, workdir: Path) -> None:
+    write(workdir / "needs_env.py", """
+        import os
+        data = os.environ["CORRAL_TEST_DATA_DIR"]   # set where corral runs, never passed on
+    """)
+    env = dict(os.environ, CORRAL_TEST_DATA_DIR="/data/shards")
+    res = subprocess.run(CORRAL + ["run", "-c", str(sandbox.cluster_file), "--launcher", "command", "python",
+                                   "needs_env.py"], cwd=workdir, capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "KeyError: 'CORRAL_TEST_DATA_DIR'" in res.stderr
+    assert ("CORRAL_TEST_DATA_DIR is set where corral runs but does not travel to the nodes"
+            in res.stderr) and "--env CORRAL_TEST_DATA_DIR" in res.stderr
+    assert_clean(sandbox, within=5)
+
+
 def test_lightning_main_process_crash_is_named_not_its_childs_echo(sandbox, workdir: Path) -> None:
     # corral starts Lightning's main process (local rank 0) on each node and it
     # spawns local rank 1.  When the main process of node 2 (global rank 2)

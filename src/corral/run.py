@@ -24,6 +24,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -83,6 +84,8 @@ class RunResult:
     diagnoses: tuple[Any, ...] = ()
     #: (host, rank) that exited cleanly before a failure that echoes a vanished peer.
     left_early: tuple[tuple[str, int], ...] = ()
+    #: Corral's own explanations of the failure (a variable that did not travel...).
+    hints: tuple[str, ...] = ()
     attempts: int = 1
     duration_s: float = 0.0
     #: The merged stack tree, when a hang was detected.
@@ -103,6 +106,9 @@ class _NullView:
     def message(self, text: str) -> None: ...
     def stopping(self) -> None: ...
     def close(self) -> None: ...
+
+
+_ENV_KEYERROR = re.compile(r"KeyError: '([A-Za-z_][A-Za-z0-9_]*)'")
 
 
 def _check_shown_ranks(shown: frozenset[int] | None, world_size: int) -> None:
@@ -427,8 +433,10 @@ class Runner:
         diagnoses: tuple[Any, ...] = ()
         failure_log = None
         left_early: tuple[tuple[str, int], ...] = ()
+        hints: tuple[str, ...] = ()
         if failure is not None and failure.kind != "hang":  # a hang's story is its stacks
             left_early = tuple(watch.left_early(failure))
+            hints = tuple(h for h in (self._env_hint(plan, failure, watch.tail_for(failure)),) if h)
             tail = tuple(watch.tail_for(failure))
             failure_log = self.logs.path_for(failure.host, failure.rank)
             diagnoses = _diagnose(watch.text_for_diagnosis(failure), failure)
@@ -436,8 +444,22 @@ class Runner:
         return RunResult(
             run_id=plan.run_id, status=status, exit_code=code, run_dir=self.logs.dir, plan=plan,
             failure=failure, failure_tail=tail, failure_log=failure_log, diagnoses=diagnoses,
-            left_early=left_early, attempts=attempts, duration_s=duration, stacks=self.hang_stacks,
+            left_early=left_early, hints=hints, attempts=attempts, duration_s=duration, stacks=self.hang_stacks,
         )
+
+    def _env_hint(self, plan: LaunchPlan, failure: Failure, tail: list[str]) -> str | None:
+        """``KeyError: 'DATA_DIR'`` from os.environ, for a variable set where corral
+        runs but not on the node: only named variables travel."""
+        m = _ENV_KEYERROR.search(failure.exc or "")
+        if not m or not any("environ" in line or "<frozen os>" in line for line in tail):
+            return None
+        name = m.group(1)
+        node = next((n for n in plan.nodes if n.host.name == failure.host), None)
+        if name not in self.head_env or (node is not None and name in node.env):
+            return None
+        return (f"{name} is set where corral runs but does not travel to the nodes (only named and "
+                f"allow-listed variables do): pass it with --env {name}, or set it in the cluster "
+                "file's [cluster.env]")
 
     def _record(self, plan: LaunchPlan, status: str, failure: Failure | None, attempts: int,
                 exit_code: int | None = None) -> None:

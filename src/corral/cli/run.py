@@ -248,6 +248,8 @@ def _summary(result: RunResult, as_json: bool) -> None:
     assert f is not None
     con.print(f"[bold red]corral: run {result.run_id} FAILED[/] after {result.duration_s:.1f}s "
               f"(attempt {result.attempts}): {escape(f.describe())} [dim](first failure)[/]")
+    for hint in result.hints:
+        con.print(f"  [yellow]{escape(hint)}[/]")
     for host, rank in result.left_early[:3]:
         con.print(f"  [yellow]rank {rank} on {escape(host)} had already exited cleanly (code 0)[/] while the "
                   "others were still running: their next collective then lost a peer. Give every rank the "
@@ -290,6 +292,7 @@ def _result_json(result: RunResult) -> dict:
             "signal": f.signal_name, "exception": f.exc, "reason": f.reason,
             "description": f.describe(), "tail": list(result.failure_tail),
             "left_early": [{"host": h, "rank": r} for h, r in result.left_early],
+            "hints": list(result.hints),
             "log": str(result.failure_log) if result.failure_log else None,
         },
         "stacks": list(result.stacks),
