@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -44,6 +45,11 @@ def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
         color = {"succeeded": "green", "failed": "red", "died": "red", "running": "cyan"}.get(r.status, "yellow")
         fail = (d.get("failure") or {}).get("description") or ""
         table.add_row(r.run_id, f"[{color}]{r.status}[/]", str(d.get("launcher", "")),
-                      str(d.get("world_size", "")), took, escape(str(d.get("program", ""))), escape(fail[:60]))
-    ui.console().print(table)
+                      str(d.get("world_size", "")), took, escape(str(d.get("program", ""))), escape(fail[:160]))
+    con = ui.console()
+    if not con.is_terminal:  # piped (grep, less): rows whole, not cut to 80 columns
+        from rich.console import Console
+
+        con = Console(file=sys.stdout, highlight=False, width=max(con.width, 240), color_system=None)
+    con.print(table)
     ui.notice(f"logs: {root}/<run>/<host>/rank<N>.log")
