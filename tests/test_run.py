@@ -270,6 +270,19 @@ def test_ctrl_c_reaches_the_script_as_keyboard_interrupt(tmp_path: Path) -> None
         "finally-0", "finally-1", "interrupted-0", "interrupted-1"]
 
 
+def test_a_process_the_job_left_running_is_stopped_and_named(tmp_path: Path) -> None:
+    marker = f"corral-leftover-{os.getpid()}"
+    write(tmp_path / "bg.py", f"""
+        import os, subprocess
+        if os.environ["RANK"] == "0":
+            subprocess.Popen(["bash", "-c", "exec -a {marker} sleep 300"])  # never waited for
+    """)
+    res = corral(["run", "bg.py"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert f"stopping 1 process(es) it left running ({marker} 300)" in res.stdout
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1
+
+
 def test_dry_run_prints_plan_and_starts_nothing(tmp_path: Path) -> None:
     res = corral(["run", "--dry-run", "--json", "-n", "3", "--env", "FOO=bar", "train.py", "--lr", "3"], tmp_path)
     assert res.returncode == 0, res.stderr

@@ -196,6 +196,10 @@ class Runner:
     # -- events ------------------------------------------------------------
 
     def _on_event(self, session: AgentSession, ev: dict) -> None:
+        if ev.get("ev") == "leftover":
+            names = ", ".join(str(n) for n in ev.get("names") or ())
+            self.view.message(f"{session.name}: the job's launcher ended; stopping {ev.get('n')} process(es) "
+                              f"it left running ({names}): corral leaves nothing behind on a node")
         if self.attempt is not None:
             self.attempt.watch.event(session.name, ev)
             if ev.get("ev") in ("exit", "rank_exit", "closed", "fatal") and self._wake is not None:

@@ -39,12 +39,12 @@ import time
 try:  # on a node, modules are installed under their wire names
     from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment
     from corral_agent_prescan import env_mismatch
-    from corral_agent_proctree import become_subreaper, kill_tree, reap_orphans
+    from corral_agent_proctree import become_subreaper, kill_tree, leftovers, reap_orphans
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
     from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment
     from corral.agent.prescan import env_mismatch
-    from corral.agent.proctree import become_subreaper, kill_tree, reap_orphans
+    from corral.agent.proctree import become_subreaper, kill_tree, leftovers, reap_orphans
     from corral.agent.relay import Channel, RankTailer, Relay, pump_pipe
 
 PROTOCOL = 1
@@ -349,7 +349,12 @@ class Agent:
     def check_workload(self) -> None:
         if self.proc is None or self.proc.poll() is None:
             return
-        # The launcher is gone: nothing of the run may outlive it.
+        # The launcher is gone: nothing of the run may outlive it.  Say so when
+        # that stops something the job started and left running (a
+        # tensorboard, a server), rather than end it silently.
+        left = leftovers() if not self.stopping else []
+        if left:
+            self.chan.send(ev="leftover", n=len(left), names=sorted(set(left))[:5])
         kill_tree(2.0, {self.proc.pid})
         for t in self.pumps:
             t.join(timeout=2.0)

@@ -161,3 +161,32 @@ def _wait_gone(timeout: float, keep: set) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def leftovers(settle: float = 1.0) -> list:
+    """Command lines of this agent's live descendants (what a job left
+    running), after giving the ones already on their way out (a DataLoader
+    worker noticing its rank is gone) ``settle`` seconds to go."""
+    deadline = time.monotonic() + settle
+    while True:
+        names = _live_commands()
+        if not names or time.monotonic() >= deadline:
+            return names
+        reap_orphans(set())
+        time.sleep(0.05)
+
+
+def _live_commands() -> list:
+    names = []
+    for pid in descendants(os.getpid()):
+        if _is_zombie(pid):
+            continue
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        text = " ".join(a.decode("utf-8", "replace") for a in argv if a)
+        if text:  # an empty command line: a process in the middle of exiting
+            names.append(text[:60] + ("..." if len(text) > 60 else ""))
+    return names
