@@ -153,6 +153,26 @@ def env_from_head(environ: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+#: Variables of the contract that may be written as $NAME or ${NAME} in the
+#: script's arguments: older launch scripts (detectron2, mmdet, mp.spawn ones)
+#: take `--dist-url tcp://$MASTER_ADDR:$MASTER_PORT --machine-rank $NODE_RANK`,
+#: which a shell on the node would have expanded.  Nothing else is expanded.
+CONTRACT_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES", "WORLD_SIZE", "CORRAL_RUN_ID",
+                 "CORRAL_NODE_RANK", "CORRAL_NNODES", "CORRAL_NPROC_PER_NODE", "CORRAL_HOSTS",
+                 "CORRAL_NODE_IPS")
+_CONTRACT_REF = re.compile(r"\$(?:\{(%s)\}|(%s)\b)" % ("|".join(CONTRACT_VARS), "|".join(CONTRACT_VARS)))
+
+
+def expand_contract(argv: tuple[str, ...], env: Mapping[str, str]) -> tuple[str, ...]:
+    """``$MASTER_ADDR``, ``${NODE_RANK}``... in an argument become this node's values."""
+    def one(arg: str) -> str:
+        if "$" not in arg:
+            return arg
+        return _CONTRACT_REF.sub(lambda m: env.get(m.group(1) or m.group(2), m.group(0)), arg)
+
+    return tuple(one(a) for a in argv)
+
+
 def parse_env_flags(flags: tuple[str, ...], environ: Mapping[str, str]) -> dict[str, str]:
     """``--env K=V`` sets a value; ``--env K`` copies the head's value of K."""
     out: dict[str, str] = {}
@@ -238,7 +258,7 @@ def build_plan(
         cwd = spec.workdir or cluster.workdir_for(host) or head_cwd
         nodes.append(NodePlan(
             host=host, node_rank=rank, nproc=nproc, first_rank=ctx.first_rank,
-            argv=cmd.argv, env=env, cwd=cwd, pipe_rank=cmd.pipe_rank, requires=REQUIRES[spec.launcher],
+            argv=expand_contract(cmd.argv, env), env=env, cwd=cwd, pipe_rank=cmd.pipe_rank, requires=REQUIRES[spec.launcher],
         ))
     return LaunchPlan(run_id=spec.run_id, launcher=spec.launcher, master_addr=master_addr,
                       master_port=master_port, nodes=tuple(nodes))
