@@ -38,6 +38,18 @@ def test_progress_on_a_terminal_is_one_redrawn_status_line() -> None:
     # a finished line replaced the bar, so close() had nothing left to erase
 
 
+def test_a_ranks_cursor_movement_cannot_garble_the_screen() -> None:
+    """tqdm(position=local_rank) moves the cursor up a line; colours pass."""
+    out = TTY()
+    con = RunConsole(multi_host=False, out=out, color=False, status_ranks=None)
+    con.status("vm", 1, "\x1b[A\x1b[1mrank 1\x1b[0m 10%|#")
+    con.line("vm", 1, "log", "\x1b[2Kdone\x1b[A")
+    con.close()
+    text = out.getvalue()
+    assert "\x1b[A" not in text and "\x1b[2K" not in text
+    assert "[r1] \x1b[1mrank 1\x1b[0m 10%|#" in text and "[r1] done\n" in text
+
+
 def test_status_updates_are_throttled_on_a_terminal() -> None:
     out = TTY()
     con = RunConsole(multi_host=False, out=out, color=False)

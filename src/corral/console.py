@@ -13,6 +13,7 @@ interface of ``corral.watch``.
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import time
@@ -23,6 +24,11 @@ from corral import ui
 _COLORS = ["36", "32", "35", "33", "34", "96", "92", "95", "93", "94"]
 PLAIN_STATUS_EVERY_S = 15.0
 REDRAW_EVERY_S = 0.1
+
+
+#: Terminal cursor movement a rank writes (tqdm's position=N bars move up a
+#: line, \x1b[A): corral lays out the screen, so only colours (SGR) pass.
+_CURSOR = re.compile(r"\x1b\[[0-9;?]*[A-HJKSTfhlsu]")
 
 
 def parse_ranks(spec: str) -> set[int] | None:
@@ -88,11 +94,12 @@ class RunConsole:
         if rank is None and self._launcher_muted:
             return  # launchers narrating the teardown corral started: in launcher.log only
         self._footer.pop((host, rank), None)  # a finished line replaces a bar
-        self._write(self.prefix(host, rank) + text + "\n")
+        self._write(self.prefix(host, rank) + _CURSOR.sub("", text) + "\n")
 
     def status(self, host: str, rank: int | None, text: str) -> None:
         if rank is None or (self.status_ranks is not None and rank not in self.status_ranks):
             return
+        text = _CURSOR.sub("", text)
         key = (host, rank)
         if self.tty:
             self._footer[key] = text
