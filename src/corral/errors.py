@@ -92,10 +92,19 @@ class PreflightError(CorralError):
     def __init__(self, problems: list[HostError], *, what: str = "preflight"):
         self.problems = problems
         lines = [f"{what} failed on {len(problems)} host(s):"]
+        # The same problem on many hosts is said once, for the folded host set
+        # (`g[1-3]: train.py not found in /proj`), not once per host.
+        groups: dict[tuple[str, str | None], list[str]] = {}
         for p in problems:
-            lines.append(f"  {p.message}")
-            if p.hint:
-                lines.append(f"    hint: {p.hint}")
+            prefix = f"{p.host}: "
+            text = p.message[len(prefix):] if p.message.startswith(prefix) else p.message
+            groups.setdefault((text, p.hint), []).append(p.host)
+        from corral.hostrange import fold
+
+        for (text, hint), hosts in groups.items():
+            lines.append(f"  {fold(hosts) if len(hosts) > 1 else hosts[0]}: {text}")
+            if hint:
+                lines.append(f"    hint: {hint}")
         super().__init__("\n".join(lines))
 
 
