@@ -484,13 +484,3 @@ def test_a_node_with_another_copy_of_the_script_is_named(tmp_path: Path) -> None
     res = corral(["run", "-c", str(cluster), "--launcher", "command", "train.py"], head)
     assert res.returncode == 0 and "not the same" not in res.stderr, res.stderr
 
-
-def test_the_same_preflight_problem_on_many_hosts_is_said_once(tmp_path: Path) -> None:
-    from corral.errors import HostError, PreflightError
-
-    err = PreflightError([HostError(h, "train.py not found in /proj", hint="sync the project") for h in
-                          ("g1", "g2", "g3")] + [HostError("g7", "unreachable", hint="check the address")])
-    assert err.message.splitlines() == [
-        "preflight failed on 4 host(s):",
-        "  g[1-3]: train.py not found in /proj", "    hint: sync the project",
-        "  g7: unreachable", "    hint: check the address"]
