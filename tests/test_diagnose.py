@@ -897,3 +897,15 @@ def test_traceback_after_a_partial_line_is_still_the_rank_s_exception(tmp_path):
     exc = last_exception(log)
     assert exc is not None and exc.type == "FileNotFoundError"
     assert exc.user_frame is not None and exc.user_frame.line == 12
+
+
+def test_a_rank_that_left_early_comes_first(tmp_path):
+    """A real run (corral run -n 2): rank 0 returned early, rank 1 lost it in a barrier."""
+    run = FIXTURES / "run-early-exit-rank0"
+    report = diagnose_run(run)
+    assert report.failure.left_early == (("vm", 0),)
+    out = _invoke(str(run)).output
+    first = out.index("1. rank 0 on vm had already exited cleanly (code 0)")
+    assert first < out.index("2. rank 1 on vm failed first")
+    data = json.loads(_invoke(str(run), "--json").output)
+    assert data["failure"]["left_early"] == [{"host": "vm", "rank": 0}]

@@ -444,7 +444,7 @@ class Runner:
             tail = tuple(watch.tail_for(failure))
             failure_log = self.logs.path_for(failure.host, failure.rank)
             diagnoses = _diagnose(watch.text_for_diagnosis(failure), failure)
-        self._record(plan, status, failure, attempts, exit_code=code)
+        self._record(plan, status, failure, attempts, exit_code=code, left_early=left_early)
         return RunResult(
             run_id=plan.run_id, status=status, exit_code=code, run_dir=self.logs.dir, plan=plan,
             failure=failure, failure_tail=tail, failure_log=failure_log, diagnoses=diagnoses,
@@ -466,7 +466,7 @@ class Runner:
                 "file's [cluster.env]")
 
     def _record(self, plan: LaunchPlan, status: str, failure: Failure | None, attempts: int,
-                exit_code: int | None = None) -> None:
+                exit_code: int | None = None, left_early: tuple[tuple[str, int], ...] = ()) -> None:
         assert self.logs is not None
         self.logs.write_record({
             "run_id": plan.run_id,
@@ -495,6 +495,7 @@ class Runner:
                 "host": failure.host, "rank": failure.rank, "kind": failure.kind,
                 "exit_code": failure.code, "signal": failure.signal_name, "exception": failure.exc,
                 "reason": failure.reason, "description": failure.describe(),
+                "left_early": [{"host": h, "rank": r} for h, r in left_early],
             },
         })
 

@@ -95,6 +95,7 @@ def _as_json(report: RunReport) -> dict:
             "host": failure.host, "rank": failure.rank, "kind": failure.kind,
             "exit_code": failure.exit_code, "signal": failure.signal,
             "exception": failure.exception, "reason": failure.reason,
+            "left_early": [{"host": h, "rank": r} for h, r in failure.left_early],
         },
         "facts_hosts": list(report.facts_hosts),
         "status": report.status,
@@ -155,6 +156,15 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
     if report.hang is not None:
         n += 1
         _print_hang(con, n, report)
+    if report.failure is not None and report.failure.left_early:
+        n += 1
+        who = ", ".join(f"rank {r} on {h}" for h, r in report.failure.left_early[:3])
+        con.print(f"\n[bold]{n}. {escape(who)} had already exited cleanly (code 0) while the others were "
+                  "still running[/]")
+        con.print("   [dim]The failures below followed: a rank that leaves early makes its peers' next "
+                  "collective lose it. Give every rank the same work (the same number of steps and "
+                  "batches: DistributedSampler(drop_last=True), or DDP's join()), or end every rank at "
+                  "the same barrier.[/]")
     if report.first_error is not None:
         n += 1
         _print_first_error(con, n, report)

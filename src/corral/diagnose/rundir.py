@@ -56,6 +56,9 @@ class Failure:
     #: The exception line corral run saw in the rank's output, if any.
     exception: str | None = None
     reason: str | None = None
+    #: (host, rank) that had exited cleanly before this failure, which echoes
+    #: their leaving (uneven work per rank).
+    left_early: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,6 +266,9 @@ def _failure(record: Mapping[str, Any]) -> Failure | None:
         exit_code=code if isinstance(code, int) else None,
         signal=str(failure["signal"]) if failure.get("signal") is not None else None,
         kind=text("kind"), exception=text("exception"), reason=text("reason"),
+        left_early=tuple((e["host"], e["rank"]) for e in failure.get("left_early") or ()
+                         if isinstance(e, dict) and isinstance(e.get("host"), str)
+                         and isinstance(e.get("rank"), int)),
     )
 
 
