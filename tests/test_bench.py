@@ -122,7 +122,7 @@ def _bench(sb: Sandbox, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.sandbox
 def test_links_measure_the_configured_rate(shaped: Sandbox) -> None:
     proc = _bench(shaped, "--no-allreduce", "--seconds", "2", "--json")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-3000:]
     links = json.loads(proc.stdout)["links"]
     assert links["tool"] == "iperf3"  # installed on the nodes
     rates = {(m["src"], m["dst"]): m["bps"] for m in links["matrix"]}

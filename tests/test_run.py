@@ -146,7 +146,7 @@ def test_a_rank_that_left_early_is_named_instead_of_blaming_its_peer(tmp_path: P
     """)
     res = corral(["run", "early.py"], tmp_path)
     assert res.returncode != 0
-    assert "rank 0 on " in res.stderr and "had already exited cleanly (code 0)" in res.stderr
+    assert "rank 0 on " in res.stderr and "had already exited without an error" in res.stderr
     assert "Likely cause: A peer rank went away" not in res.stderr  # the echo is not the cause
 
 
@@ -157,7 +157,7 @@ def test_a_multi_line_exception_is_one_line_in_the_summary(tmp_path: Path) -> No
     res = corral(["run", "-n", "1", "multi.py"], tmp_path)
     assert res.returncode == 1
     [line] = [ln for ln in res.stderr.splitlines() if "FAILED" in ln]
-    assert "failed: RuntimeError: checkpoint failed on 3 ranks: ... (exited with code 1)" in line
+    assert "failed: RuntimeError: checkpoint failed on 3 ranks: ..." in line and "xxx" not in line
     assert "rank 2: xxx" in res.stderr  # the whole message is still in the traceback tail
 
 

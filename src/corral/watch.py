@@ -258,7 +258,9 @@ class JobWatch:
 
     def _rank_exit(self, host: str, ev: dict) -> None:
         code, sig, exc = ev.get("code"), ev.get("sig"), ev.get("exc")
-        if code == 0 and not sig and not exc and not self.stopping and ev.get("r") is not None:
+        if not code and not sig and not exc and not self.stopping and ev.get("r") is not None:
+            # code 0, or None: reaped by its launcher before the agent read the
+            # status (a failed one is then named by the launcher's own report)
             self.clean_exits.append((next(self._seq), host, int(ev["r"])))
         if not code and not sig and not exc:
             # A clean exit, or one whose status the launcher reaped before the
@@ -351,7 +353,9 @@ class JobWatch:
         rank, an early ``return`` on one rank)."""
         if not failure.consequential:
             return []
-        return [(host, rank) for seq, host, rank in self.clean_exits if seq < failure.seq]
+        failed = {(f.host, f.rank) for f in self.failures}
+        return [(host, rank) for seq, host, rank in self.clean_exits
+                if seq < failure.seq and (host, rank) not in failed]
 
     def root_cause(self) -> Failure | None:
         if not self.failures:

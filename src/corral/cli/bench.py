@@ -105,6 +105,12 @@ def bench(cluster_opts: ClusterOptions, links: bool, allreduce: bool, tool: str,
     failed = _failed(lb, ar)
     if as_json:
         click.echo(json.dumps(_json(lb, ar, ev), indent=2, default=str))
+        if failed:  # the JSON says what failed; say that it did where a person looks
+            for f in (lb.findings if lb else ()):
+                if f.severity == ERROR:
+                    ui.notice(f"error: {f.message}")
+            if ar is not None and not ar.run.succeeded:
+                ui.notice("error: the all-reduce run failed (see \"allreduce\" in the JSON)")
     else:
         if lb is not None:
             render_links(lb)

@@ -159,7 +159,7 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
     if report.failure is not None and report.failure.left_early:
         n += 1
         who = ", ".join(f"rank {r} on {h}" for h, r in report.failure.left_early[:3])
-        con.print(f"\n[bold]{n}. {escape(who)} had already exited cleanly (code 0) while the others were "
+        con.print(f"\n[bold]{n}. {escape(who)} had already exited without an error while the others were "
                   "still running[/]")
         con.print("   [dim]The failures below followed: a rank that leaves early makes its peers' next "
                   "collective lose it. Give every rank the same work (the same number of steps and "

@@ -251,7 +251,7 @@ def _summary(result: RunResult, as_json: bool) -> None:
     for hint in result.hints:
         con.print(f"  [yellow]{escape(hint)}[/]")
     for host, rank in result.left_early[:3]:
-        con.print(f"  [yellow]rank {rank} on {escape(host)} had already exited cleanly (code 0)[/] while the "
+        con.print(f"  [yellow]rank {rank} on {escape(host)} had already exited without an error[/] while the "
                   "others were still running: their next collective then lost a peer. Give every rank the "
                   "same work (the same number of steps and batches) or end every rank at the same barrier.")
     if result.stacks:
