@@ -188,3 +188,14 @@ def test_piece_cuts_never_split_a_character_and_survive_invalid_bytes() -> None:
         if unit != b"\x80":
             for piece, _ in pieces + rest:
                 piece.decode("utf-8")
+
+
+def test_accelerate_default_config_mode_is_read_where_accelerate_reads_it(tmp_path, monkeypatch) -> None:
+    from corral.agent.probes import accelerate_default_mode
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert accelerate_default_mode() is None
+    (tmp_path / "hf" / "accelerate").mkdir(parents=True)
+    (tmp_path / "hf" / "accelerate" / "default_config.yaml").write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")
+    assert accelerate_default_mode() == "DEEPSPEED"

@@ -86,6 +86,12 @@ def test_accelerate_keeps_the_mode_the_user_chose(tmp_path) -> None:
     assert argv("--multi_gpu").count("--multi_gpu") == 1
     assert "--multi_gpu" in argv(f"--config_file={ddp}")
     assert "--multi_gpu" in argv("--config_file=missing.yaml", "--mixed_precision=bf16")
+    # the node's own default_config.yaml (read by preflight) says FSDP: accelerate applies it
+    spec = RunSpec(program="train.py", launcher="accelerate", run_id="r")
+    fsdp_default = {"node1": NodeFacts(gpus=2, accelerate_mode="FSDP"), "node2": NodeFacts(gpus=2, accelerate_mode="FSDP")}
+    assert "--multi_gpu" not in plan(spec, facts=fsdp_default).nodes[0].argv
+    spec = RunSpec(program="train.py", launcher="accelerate", run_id="r", launcher_args=(f"--config_file={ddp}",))
+    assert "--multi_gpu" in plan(spec, facts=fsdp_default).nodes[0].argv  # an explicit config wins
 
 
 def test_contract_variables_in_script_arguments_are_expanded_per_node() -> None:

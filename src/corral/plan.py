@@ -99,6 +99,8 @@ class NodeFacts:
 
     gpus: int | None = None
     address: str | None = None
+    #: distributed_type of the node's accelerate default_config.yaml, if any.
+    accelerate_mode: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,7 +235,7 @@ def build_plan(
             python=host.python, program=spec.program, args=spec.args, module=spec.module,
             node_rank=rank, nnodes=len(hosts), nproc=nproc, master_addr=master_addr,
             master_port=master_port, hostnames=names, gpus=nf.gpus,
-            launcher_args=spec.launcher_args, local_dir=head_cwd,
+            launcher_args=spec.launcher_args, local_dir=head_cwd, accelerate_mode=nf.accelerate_mode,
         )
         cmd = PLANNERS[spec.launcher](ctx)
         env: dict[str, str] = {}

@@ -78,6 +78,8 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
             "modules": [required] if required else [],
             "want_port": s.name == first and spec.master_port is None,
         }
+        if spec.launcher == "accelerate":
+            args["accelerate"] = True  # the node's default config may pick FSDP/DeepSpeed
         if compare:
             args["compare"] = compare
         return args

@@ -290,7 +290,8 @@ class Runner:
             port = self.spec.master_port or probes[pool.sessions[0].name].get("port")
             master = await choose_master(pool, probes, int(port))
             facts = {
-                s.name: NodeFacts(gpus=probes[s.name].get("gpus"), address=self._node_address(s, probes, master))
+                s.name: NodeFacts(gpus=probes[s.name].get("gpus"), address=self._node_address(s, probes, master),
+                                  accelerate_mode=probes[s.name].get("accelerate_mode"))
                 for s in pool.sessions
             }
             plan = build_plan(self.cluster, self.spec, facts, master_addr=master, master_port=int(port),

@@ -105,7 +105,27 @@ def _differs(path, size, sha256) -> bool:
         return False  # missing or unreadable: reported (or not) as such, not as different
 
 
-def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(), compare=None) -> dict:
+def accelerate_default_mode():
+    """``distributed_type`` of this node's accelerate default config, if it has one.
+
+    accelerate reads ``$HF_HOME/accelerate/default_config.yaml`` (HF_HOME
+    defaults to ``$XDG_CACHE_HOME/huggingface``, i.e. ``~/.cache/huggingface``)
+    when no ``--config_file`` is given, but only when no mode flag is."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    try:
+        with open(os.path.join(home, "accelerate", "default_config.yaml"), encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except (OSError, ValueError):
+        return None
+    import re
+
+    m = re.search(r'(?:^|[{,])\s*"?distributed_type"?\s*:\s*["\']?(\w+)', text, re.MULTILINE)
+    return m.group(1).upper() if m else None
+
+
+def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(), compare=None,
+              accelerate=False) -> dict:
     """Everything the head needs to plan a launch, in one round trip.
 
     ``compare`` is ``{path: [size, sha256]}`` of the head's copies of files in
@@ -123,6 +143,8 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
         "env": {k: os.environ[k] for k in env_names if k in os.environ},
         "differs": [],
     }
+    if accelerate:
+        result["accelerate_mode"] = accelerate_default_mode()
     base = None
     if workdir:
         exists = os.path.isdir(workdir)

@@ -41,7 +41,7 @@ def plan(ctx: NodeContext) -> NodeCommand:
         # start a single process.)  Not when the user chose the mode: any of
         # these flags, or a config file whose distributed_type is FSDP,
         # DeepSpeed, Megatron-LM or XLA, would be overridden by --multi_gpu.
-        if user_mode(ctx.launcher_args, ctx.local_dir) is None:
+        if user_mode(ctx.launcher_args, ctx.local_dir) is None and not _default_config_picks_mode(ctx):
             argv.append("--multi_gpu")
         if not ctx.gpus:
             env["ACCELERATE_USE_CPU"] = "1"
@@ -77,3 +77,10 @@ def _config_mode(path: str) -> str | None:
     except OSError:
         return None
     return m.group(1).upper() if m else None
+
+
+def _default_config_picks_mode(ctx: NodeContext) -> bool:
+    """The node's default_config.yaml says FSDP/DeepSpeed/...; accelerate applies it
+    when no --config_file and no mode flag are given."""
+    has_config = any(a.partition("=")[0].replace("-", "_") == "__config_file" for a in ctx.launcher_args)
+    return not has_config and ctx.accelerate_mode in _CONFIG_MODES

@@ -36,6 +36,8 @@ class NodeContext:
     #: The directory corral was started in: a relative file named in
     #: ``launcher_args`` (accelerate's ``--config_file``) is read from here.
     local_dir: str | None = None
+    #: distributed_type of the node's own accelerate default config, if it has one.
+    accelerate_mode: str | None = None
 
     @property
     def world_size(self) -> int:
