@@ -909,3 +909,14 @@ def test_a_rank_that_left_early_comes_first(tmp_path):
     assert first < out.index("2. rank 1 on vm failed first")
     data = json.loads(_invoke(str(run), "--json").output)
     assert data["failure"]["left_early"] == [{"host": "vm", "rank": 0}]
+
+
+def test_a_native_crash_names_the_program_line_from_faulthandler():
+    """A real run: rank 1 segfaulted in ctypes; corral's rank hook enabled faulthandler."""
+    run = FIXTURES / "run-segv-rank1"
+    fe = diagnose_run(run).first_error
+    assert fe.summary == "rank 1 on vm failed first: killed by SIGSEGV (segv.py:3)"
+    assert (fe.func, fe.line) == ("decode_batch", 3)
+    assert fe.traceback[0] == "Fatal Python error: Segmentation fault"
+    out = _invoke(str(run)).output
+    assert "It crashed in native code" in out and "segv.py:3" in out

@@ -175,6 +175,21 @@ def test_a_hang_in_a_rendezvous_the_script_chose_is_explained(tmp_path: Path) ->
     assert "init_method='env://'" in res.stderr
 
 
+def test_a_native_crash_shows_where_in_the_program_it_happened(tmp_path: Path) -> None:
+    write(tmp_path / "segv.py", """
+        import ctypes, os
+        def decode_batch():
+            return ctypes.string_at(0)
+        if os.environ["RANK"] == "1":
+            decode_batch()
+    """)
+    res = corral(["run", "segv.py"], tmp_path)
+    assert res.returncode == 139, res.stderr  # 128 + SIGSEGV
+    assert "rank 1 on " in res.stderr and "killed by SIGSEGV" in res.stderr
+    assert "Fatal Python error: Segmentation fault" in res.stderr
+    assert 'segv.py", line 4 in decode_batch' in res.stderr
+
+
 def test_traceback_tail_of_uncaught_exception(tmp_path: Path) -> None:
     write(tmp_path / "boom.py", """
         import torch.distributed as dist

@@ -219,6 +219,14 @@ def _unexplained(fe) -> str:
         return ("It left no traceback. SIGKILL from outside the program is most often the kernel's "
                 f"out-of-memory killer (`dmesg -T | grep -i -e oom -e killed` on {on}) or a scheduler's "
                 "memory or time limit.")
+    if fe.exception in ("killed by SIGSEGV", "killed by SIGBUS", "killed by SIGFPE", "killed by SIGILL",
+                        "killed by SIGABRT"):
+        at = f" at {fe.where}" if fe.where else ""
+        return (f"It crashed in native code (a C/C++/CUDA extension, ctypes, or the interpreter itself): "
+                f"the stack above shows the Python line that called into it{at}. Usual causes: an "
+                "extension built against another torch or CUDA version, a bug or bad input in a custom op, "
+                "a truncated or corrupted file read through mmap; SIGABRT also follows a C++ exception "
+                "(`terminate called after throwing ...` just before it).")
     if fe.exception.startswith("killed by"):
         return ("It left no traceback: something outside the program sent the signal (a scheduler, "
                 "a user, a watchdog); the lines above are the last it wrote.")

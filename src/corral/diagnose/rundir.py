@@ -33,9 +33,9 @@ from typing import Any
 
 from corral.diagnose.facts import AllFacts
 from corral.diagnose.hang import Hang, read_hang
-from corral.diagnose.logtext import iter_lines, open_log
+from corral.diagnose.logtext import LogLine, iter_lines, open_log
 from corral.diagnose.matcher import Diagnosis, Matcher
-from corral.diagnose.pyexc import basename, last_exception
+from corral.diagnose.pyexc import Frame, basename, last_exception
 from corral.diagnose.rules import Rule, load_rules
 from corral.errors import UsageError
 
@@ -345,17 +345,40 @@ def _ended_without_traceback(root: Path, logs: Sequence[tuple[Path, str | None, 
         file, host, _ = logs[i]
         try:
             with open_log(file) as stream:
-                tail = deque((ln for ln in iter_lines(stream) if ln.shown.strip()), maxlen=_TAIL_LINES)
+                recent = deque((ln for ln in iter_lines(stream) if ln.shown.strip()), maxlen=_FATAL_LINES)
         except OSError:
             continue
+        tail = list(recent)[-_TAIL_LINES:]
+        frame, fatal = _fatal_frame(list(recent))
+        if fatal is not None:  # faulthandler's report: show it from its header
+            tail = list(recent)[fatal:fatal + _TAIL_LINES]
         log = str(file.relative_to(root))
         return FirstError(
             host=failure.host or host, rank=failure.rank, exception=how, type="", message="",
-            file=None, line=None, func=None, log=log, log_line=tail[-1].number if tail else 0,
+            file=frame.file if frame else None, line=frame.line if frame else None,
+            func=frame.func if frame else None, log=log, log_line=tail[-1].number if tail else 0,
             log_path=str(root / log), traceback=tuple(ln.shown for ln in tail),
             explained_by=_rules_on_node(logs, per_file, i), kind="exit",
         )
     return None
+
+
+#: Lines read back from the end of a rank log for a native crash's report.
+_FATAL_LINES = 80
+_FAULTHANDLER_FRAME = re.compile(r'^File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def _fatal_frame(lines: Sequence[LogLine]) -> tuple[Frame | None, int | None]:
+    """The program's innermost frame in faulthandler's last ``Fatal Python
+    error`` report (the rank hook enables it), and where the report starts."""
+    start = next((k for k in range(len(lines) - 1, -1, -1)
+                  if lines[k].text.startswith("Fatal Python error:")), None)
+    if start is None:
+        return None, None
+    frames = [Frame(file=m["file"], line=int(m["line"]), func=m["func"])
+              for ln in lines[start:] if (m := _FAULTHANDLER_FRAME.match(ln.text))]
+    user = next((fr for fr in frames if fr.is_user), frames[0] if frames else None)  # most recent first
+    return user, start
 
 
 def _log_files(root: Path) -> list[tuple[Path, str | None, int | None]]:

@@ -14,6 +14,8 @@ Lightning's children set ``LOCAL_RANK`` and ``NODE_RANK``), it:
 - records its pid (``rank<N>.pid``) so the agent can tell which rank exited
   first and signal exactly the ranks (never by name);
 - records an uncaught exception's last line (``rank<N>.status``);
+- enables faulthandler, so a crash in native code (SIGSEGV...) prints where
+  in the program it happened into the rank's log;
 - registers a faulthandler stack dump on ``CORRAL_STACK_SIGNAL`` into
   ``rank<N>.stacks`` so ``corral stacks`` / ``--hang-timeout`` can show
   where every rank is, without ptrace or special privileges.
@@ -86,6 +88,16 @@ def _corral_install():
         previous(etype, value, tb)
 
     sys.excepthook = record_exception
+
+    try:
+        # A crash in native code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT...) leaves no
+        # Python traceback: have the rank's log say where in the program it was.
+        import faulthandler
+
+        if not faulthandler.is_enabled():
+            faulthandler.enable(all_threads=False)
+    except Exception:
+        pass
 
     sig = os.environ.get("CORRAL_STACK_SIGNAL", "")
     if sig.isdigit():
