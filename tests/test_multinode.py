@@ -224,6 +224,26 @@ def test_rank_crash_stops_every_node(sandbox, workdir: Path) -> None:
     assert_clean(sandbox, within=5)
 
 
+def test_a_chatty_run_keeps_every_line_to_the_end(sandbox, workdir: Path) -> None:
+    """The agent sends every line before the node's exit, and the head reads
+    the channel to its end: the last lines (the final metrics) are not lost."""
+    write(workdir / "flood.py", """
+        import os
+        rank = os.environ["RANK"]
+        for i in range(150000):
+            print(f"rank {rank} line {i} " + "x" * 40)
+        print(f"rank {rank} FINAL-METRICS")
+    """)
+    res = corral(sandbox, ["--ranks", "all", "flood.py"], workdir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("FINAL-METRICS") == 8
+    [run_dir] = [p for p in (workdir / "runs").iterdir() if p.is_dir()]
+    logs = sorted(run_dir.glob("*/rank*.log"))
+    assert len(logs) == 8
+    for log in logs:
+        assert log.read_text().count("\n") == 150001, log
+
+
 def test_a_variable_that_did_not_travel_is_named(sandbox, workdir: Path) -> None:
     write(workdir / "needs_env.py", """
         import os

@@ -360,8 +360,11 @@ class Agent:
             t.join(timeout=2.0)
         self.pumps = []
         if self.tailer is not None:
+            # Every line the ranks wrote goes out before ``exit``: the head
+            # closes the channel once it has that, and a chatty job's last
+            # lines (the final metrics) would be lost.
             self.tailer.stop_evt.set()
-            self.tailer.join(timeout=5.0)
+            self.tailer.join(timeout=600.0)
         rc = self.proc.returncode
         self.chan.send(ev="exit", code=rc if rc >= 0 else None, sig=-rc if rc < 0 else None)
         self.proc = None

@@ -236,6 +236,13 @@ class AgentSession:
             await asyncio.wait_for(self.proc.wait(), timeout)
         except asyncio.TimeoutError:
             await self.kill()
+        # What the agent wrote before it exited is still in the pipe: read it
+        # to the end before stopping the readers.
+        try:
+            readers = self._tasks[:2]  # _read_events, _read_stderr (not the pinger)
+            await asyncio.wait_for(asyncio.gather(*readers, return_exceptions=True), timeout)
+        except asyncio.TimeoutError:
+            pass
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
