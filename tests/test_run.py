@@ -250,9 +250,11 @@ def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
     assert not mine
 
 
-def test_ctrl_c_reaches_the_script_as_keyboard_interrupt(tmp_path: Path) -> None:
-    """As with torchrun in a terminal: the ranks get SIGINT, so a script's
-    `except KeyboardInterrupt` (save a checkpoint) and `finally` blocks run."""
+@pytest.mark.parametrize("fresh", [False, True], ids=["preloaded", "fresh-ranks"])
+def test_ctrl_c_reaches_the_script_as_keyboard_interrupt(tmp_path: Path, fresh: bool) -> None:
+    """As with torchrun in a terminal: SIGINT reaches the ranks once (through
+    their launcher), so a script's `except KeyboardInterrupt` that takes a
+    while (saving a checkpoint) and its `finally` block run to the end."""
     write(tmp_path / "ckpt.py", """
         import os, time
         import torch.distributed as dist
@@ -262,11 +264,13 @@ def test_ctrl_c_reaches_the_script_as_keyboard_interrupt(tmp_path: Path) -> None
             print("ready", flush=True)
             time.sleep(600)
         except KeyboardInterrupt:
+            time.sleep(1.0)  # writing the last checkpoint: a second SIGINT would cut it short
             open(f"interrupted-{rank}", "w").close()
         finally:
             open(f"finally-{rank}", "w").close()
     """)
-    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", "ckpt.py"], cwd=tmp_path,
+    extra = ["--fresh-ranks"] if fresh else []
+    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", *extra, "ckpt.py"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         ready = 0

@@ -39,12 +39,12 @@ import time
 try:  # on a node, modules are installed under their wire names
     from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment
     from corral_agent_prescan import env_mismatch
-    from corral_agent_proctree import become_subreaper, kill_tree, leftovers, reap_orphans
+    from corral_agent_proctree import become_subreaper, kill_tree, leftovers, reap_orphans, wait_gone
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
     from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment
     from corral.agent.prescan import env_mismatch
-    from corral.agent.proctree import become_subreaper, kill_tree, leftovers, reap_orphans
+    from corral.agent.proctree import become_subreaper, kill_tree, leftovers, reap_orphans, wait_gone
     from corral.agent.relay import Channel, RankTailer, Relay, pump_pipe
 
 PROTOCOL = 1
@@ -323,7 +323,25 @@ class Agent:
         self.stopping = True
         grace = float(msg.get("grace", 5.0))
         self.chan.send(ev="log", level="info", t="stopping (%s)" % msg.get("reason", "asked by head"))
-        kill_tree(grace, {self.proc.pid}, first=int(msg.get("sig") or signal.SIGTERM))
+        sig = int(msg.get("sig") or signal.SIGTERM)
+        if sig == signal.SIGINT:
+            # Ctrl-C as a terminal delivers it: to the launcher's process group
+            # only.  torchrun (accelerate, deepspeed) passes it on to its
+            # workers, which run in sessions of their own; signalling them
+            # too would interrupt their KeyboardInterrupt handler (the last
+            # checkpoint) with a second one.
+            try:
+                pgid = os.getpgid(self.proc.pid)
+                if pgid == self.proc.pid:
+                    os.killpg(pgid, signal.SIGINT)
+                else:
+                    os.kill(self.proc.pid, signal.SIGINT)
+            except OSError:
+                pass
+            if wait_gone(grace, {self.proc.pid}):
+                return
+            grace = 1.0  # what did not stop on SIGINT: SIGTERM, then SIGKILL
+        kill_tree(grace, {self.proc.pid})
 
     def op_signal(self, msg: dict) -> None:
         sig = int(msg["sig"])

@@ -141,10 +141,10 @@ def kill_tree(grace: float, keep: set, first: int = signal.SIGTERM) -> None:
     not SIGTERM: a DataLoader worker ignores SIGINT) and SIGKILL the rest."""
     if signal_tree(first) == 0:
         return
-    if _wait_gone(grace, keep):
+    if wait_gone(grace, keep):
         return
     if first != signal.SIGTERM:
-        if signal_tree(signal.SIGTERM) == 0 or _wait_gone(1.0, keep):
+        if signal_tree(signal.SIGTERM) == 0 or wait_gone(1.0, keep):
             return
     for _ in range(50):
         if signal_tree(signal.SIGKILL) == 0:
@@ -153,7 +153,8 @@ def kill_tree(grace: float, keep: set, first: int = signal.SIGTERM) -> None:
         reap_orphans(keep)
 
 
-def _wait_gone(timeout: float, keep: set) -> bool:
+def wait_gone(timeout: float, keep: set) -> bool:
+    """True once nothing this agent started is alive (within ``timeout``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         reap_orphans(keep)
