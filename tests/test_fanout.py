@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -182,6 +183,16 @@ def test_command_sees_none_of_the_wrappers_variables(tmp_path: Path) -> None:
                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     [row] = json.loads(res.stdout)
     assert (row["returncode"], row["stdout"]) == (7, "[0][][][][]\n")
+
+
+def test_command_runs_in_the_login_shell_like_under_ssh(tmp_path: Path) -> None:
+    # `ssh host CMD` runs CMD with the login shell ($SHELL -c): bash syntax and
+    # `source venv/bin/activate` work, not only POSIX sh.
+    env = dict(os.environ, SHELL="/bin/bash")
+    res = subprocess.run(CORRAL + ["exec", "--json", "--", "echo {1..3}; [[ -d / ]] && source /dev/null && echo ok"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False, env=env)
+    [row] = json.loads(res.stdout)
+    assert (row["returncode"], row["stdout"]) == (0, "1 2 3\nok\n")
 
 
 def test_command_runs_like_under_ssh_with_sigint_not_ignored(tmp_path: Path) -> None:

@@ -37,8 +37,9 @@ from corral.transport import transport_for
 from corral.transport.base import Transport
 
 #: One line, no newlines inside quotes and no "!" but ``$!``: safe under sh,
-#: bash, zsh and (non-interactive) csh login shells.  The command runs in the foreground of a subshell
-#: (as under ``ssh host CMD``: SIGINT and SIGQUIT not ignored, no wrapper
+#: bash, zsh and (non-interactive) csh login shells.  The command runs in the foreground,
+#: in the user's login shell, ``$SHELL -c CMD``, as under ``ssh host CMD``
+#: (bash syntax, ``source``; SIGINT and SIGQUIT not ignored, no wrapper
 #: variables or arguments, stdin from /dev/null; the wrapper's own
 #: "Terminated" goes to /dev/null).  A watcher reads the channel (fd 3); at
 #: EOF (Ctrl-C, ``--timeout``, the head's death) it TERMs every process of the
@@ -64,7 +65,7 @@ WRAPPER = (
     "l && kill -TERM $n; i=0; while [ $i -lt 20 ] && a; do sleep .1 || { sleep 1; i=$((i+9)); }; i=$((i+1)); done; "
     "i=0; while [ $i -lt 5 ] && l; do kill -KILL $n; i=$((i+1)); done ) & "
     "w=$!; exec 3<&- 4>&2 2>/dev/null; "
-    '( exec 2>&4 4>&- </dev/null; unset s w; eval "set --; $1" ); r=$?; kill $w; wait $w; exit $r'
+    '( exec 2>&4 4>&- </dev/null; exec "${SHELL:-/bin/sh}" -c "$1" ); r=$?; kill $w; wait $w; exit $r'
 )
 
 #: After a host's channel is closed (timeout, Ctrl-C), how long its wrapper
