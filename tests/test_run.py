@@ -77,7 +77,8 @@ def test_run_directory_layout(tmp_path: Path) -> None:
     write(tmp_path / "chatty.py", CHATTY)
     res = corral(["run", "--json", "chatty.py"], tmp_path)
     assert res.returncode == 0, res.stderr
-    result = json.loads(res.stdout[res.stdout.index("{\n"):])
+    result = json.loads(res.stdout)  # stdout is the result alone: the ranks' lines go to stderr
+    assert "[r1] rank 1 line 0" in res.stderr
     run_dir = Path(result["run_dir"])
     assert run_dir.parent == tmp_path / "runs"
     record = json.loads((run_dir / "run.json").read_text())

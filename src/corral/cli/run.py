@@ -135,7 +135,9 @@ def run(
         node_timeout=node_timeout, grace=grace, hang_timeout=hang_timeout,
         shown_ranks=None if status_ranks is None else frozenset(status_ranks),
     )
-    view = RunConsole(multi_host=len(cluster.hosts) > 1, status_ranks=status_ranks)
+    # --json: stdout is the result object alone; the ranks' output goes to stderr
+    view = RunConsole(multi_host=len(cluster.hosts) > 1, status_ranks=status_ranks,
+                      out=sys.stderr if as_json else None)
     runner = Runner(cluster, spec, options, view=view, head_env=os.environ, head_cwd=os.getcwd())
     ui.notice(f"run {spec.run_id}: {spec.launcher} on {len(cluster.hosts)} node(s); connecting...")
     try:
