@@ -357,6 +357,14 @@ def test_another_launchers_rank_variables_do_not_reach_the_ranks(tmp_path: Path)
         assert (e["SLURM_JOB_ID"], e["FROM_FLAG"]) == ("4242", "1")
 
 
+def test_an_unknown_option_before_the_script_is_refused_at_once(tmp_path: Path) -> None:
+    res = corral(["run", "--nproc_per_node", "2", "train.py"], tmp_path)
+    assert res.returncode == 2 and "no such option: --nproc_per_node" in res.stderr
+    assert "use -n / --nproc-per-node" in res.stderr and "connecting" not in res.stderr
+    res = corral(["run", "--max-restart", "2", "train.py"], tmp_path)
+    assert res.returncode == 2 and "did you mean --max-restarts" in res.stderr
+
+
 def test_bad_env_flag_is_a_usage_error(tmp_path: Path) -> None:
     res = corral(["run", "--env", "NOT_SET_ANYWHERE_XYZ", "train.py"], tmp_path)
     assert res.returncode == 2

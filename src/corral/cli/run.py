@@ -105,6 +105,8 @@ def run(
     logs go to runs/<run-id>/<host>/rank<N>.log.  The exit code is the
     workload's (130 after Ctrl-C, 3 when a node is lost).
     """
+    if program.startswith("-"):
+        _refuse_unknown_option(program)
     try:
         status_ranks = parse_ranks(ranks_spec)
     except ValueError as e:
@@ -159,6 +161,36 @@ _LAUNCHER_HINTS = {
     "python": "corral starts the script with each node's Python itself: `corral run SCRIPT ARGS` "
               "(`corral run -m PKG.MODULE` for `python -m`; the interpreter is set per host in the cluster file)",
 }
+
+
+#: torchrun's and others' names for what corral takes another way.
+_FOREIGN_OPTIONS = {
+    "--nnodes": "the number of nodes is the number of hosts in the cluster (-c FILE or -H h1,h2)",
+    "--node_rank": "node ranks follow host order; corral sets them",
+    "--node-rank": "node ranks follow host order; corral sets them",
+    "--master_addr": "corral picks and checks the rendezvous address itself",
+    "--master-addr": "corral picks and checks the rendezvous address itself",
+    "--master_port": "use --master-port",
+    "--nproc_per_node": "use -n / --nproc-per-node",
+    "--num_processes": "use -n / --nproc-per-node (processes per node)",
+}
+
+
+def _refuse_unknown_option(program: str) -> None:
+    """``corral run --nproc_per_node 2 train.py``: an option corral does not
+    have would otherwise be taken as the program, and fail only after
+    connecting to every node ("--nproc_per_node not found")."""
+    import difflib
+
+    name = program.split("=", 1)[0]
+    ctx = click.get_current_context()
+    known = sorted({o for p in ctx.command.params for o in getattr(p, "opts", []) if o.startswith("-")})
+    hint = _FOREIGN_OPTIONS.get(name)
+    if hint is None:
+        close = difflib.get_close_matches(name.replace("_", "-"), known, n=2, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}?" if close else None
+    raise UsageError(f"no such option: {name} (corral's options go before the script; "
+                     "`corral run --help` lists them)", hint=hint)
 
 
 def _refuse_launcher_as_program(program: str, args: tuple[str, ...]) -> None:
