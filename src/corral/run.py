@@ -86,6 +86,8 @@ class RunResult:
     left_early: tuple[tuple[str, int], ...] = ()
     #: Corral's own explanations of the failure (a variable that did not travel...).
     hints: tuple[str, ...] = ()
+    #: Why each restarted attempt failed (--max-restarts), oldest first.
+    restarts: tuple[str, ...] = ()
     attempts: int = 1
     duration_s: float = 0.0
     #: The merged stack tree, when a hang was detected.
@@ -166,6 +168,8 @@ class Runner:
         self.logs: RunLogs | None = None
         self.attempt: _Attempt | None = None
         self.interrupts = 0
+        #: Attempts that failed and were restarted (--max-restarts): what failed.
+        self.restarts: list[dict] = []
         #: What stopped the head: SIGINT (Ctrl-C) is passed on to the ranks as
         #: SIGINT, so their KeyboardInterrupt handlers run; SIGTERM/SIGHUP as SIGTERM.
         self.interrupt_signal: int | None = None
@@ -265,10 +269,9 @@ class Runner:
             result = await self._attempt(attempts)
             if result.status != "failed" or attempts > self.options.max_restarts or self.interrupts:
                 return result
-            self.view.message(
-                f"{result.failure.describe() if result.failure else 'failed'}; restarting the job "
-                f"(restart {attempts}/{self.options.max_restarts})"
-            )
+            why = result.failure.describe() if result.failure else "failed"
+            self.restarts.append({"attempt": attempts, "failure": why})
+            self.view.message(f"{why}; restarting the job (restart {attempts}/{self.options.max_restarts})")
             if self.logs is not None:
                 self.logs.marker(f"restart {attempts}/{self.options.max_restarts}")
 
@@ -449,7 +452,8 @@ class Runner:
         return RunResult(
             run_id=plan.run_id, status=status, exit_code=code, run_dir=self.logs.dir, plan=plan,
             failure=failure, failure_tail=tail, failure_log=failure_log, diagnoses=diagnoses,
-            left_early=left_early, hints=hints, attempts=attempts, duration_s=duration, stacks=self.hang_stacks,
+            left_early=left_early, hints=hints, restarts=tuple(r["failure"] for r in self.restarts),
+            attempts=attempts, duration_s=duration, stacks=self.hang_stacks,
         )
 
     def _env_hint(self, plan: LaunchPlan, failure: Failure, tail: list[str]) -> str | None:
@@ -476,6 +480,7 @@ class Runner:
             "started": self.started,
             "ended": time.time() if status != "running" else None,
             "attempts": attempts,
+            "restarts": list(self.restarts),
             "launcher": plan.launcher,
             "program": self.spec.program,
             "args": list(self.spec.args),

@@ -271,8 +271,12 @@ def _summary(result: RunResult, as_json: bool) -> None:
     plan = result.plan
     shape = f"{plan.world_size} ranks on {len(plan.nodes)} node(s)" if plan else ""
     if result.status == "succeeded":
+        again = ""
+        if result.restarts:
+            again = (f" after {len(result.restarts)} restart(s) [yellow](attempt 1: "
+                     f"{escape(result.restarts[0])})[/]")
         con.print(f"[green]corral:[/] run {result.run_id} succeeded in {result.duration_s:.1f}s "
-                  f"({shape}); {escape(where)}")
+                  f"({shape}){again}; {escape(where)}")
         return
     if result.status == "interrupted":
         con.print(f"[yellow]corral:[/] run {result.run_id} interrupted after {result.duration_s:.1f}s; "
@@ -320,7 +324,7 @@ def _result_json(result: RunResult) -> dict:
     return {
         "run_id": result.run_id, "status": result.status, "exit_code": result.exit_code,
         "run_dir": str(result.run_dir) if result.run_dir else None, "attempts": result.attempts,
-        "duration_s": round(result.duration_s, 3),
+        "restarts": list(result.restarts), "duration_s": round(result.duration_s, 3),
         "failure": None if f is None else {
             "host": f.host, "rank": f.rank, "kind": f.kind, "exit_code": f.code,
             "signal": f.signal_name, "exception": f.exc, "reason": f.reason,

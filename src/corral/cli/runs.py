@@ -44,6 +44,9 @@ def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
             took = f"{time.time() - d['started']:.0f}s…"
         color = {"succeeded": "green", "failed": "red", "died": "red", "running": "cyan"}.get(r.status, "yellow")
         fail = (d.get("failure") or {}).get("description") or ""
+        if not fail and d.get("restarts"):  # succeeded (or not) after restarts: say what failed
+            first = d["restarts"][0]
+            fail = f"restarted {len(d['restarts'])}x; attempt {first.get('attempt')}: {first.get('failure')}"
         table.add_row(r.run_id, f"[{color}]{r.status}[/]", str(d.get("launcher", "")),
                       str(d.get("world_size", "")), took, escape(str(d.get("program", ""))), escape(fail[:160]))
     con = ui.console()
