@@ -39,12 +39,24 @@ import time
 try:  # on a node, modules are installed under their wire names
     from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment
     from corral_agent_prescan import env_mismatch
-    from corral_agent_proctree import become_subreaper, kill_tree, leftovers, reap_orphans, wait_gone
+    from corral_agent_proctree import (
+        become_subreaper,
+        kill_tree,
+        leftovers,
+        reap_orphans,
+        wait_gone,
+    )
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
     from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment
     from corral.agent.prescan import env_mismatch
-    from corral.agent.proctree import become_subreaper, kill_tree, leftovers, reap_orphans, wait_gone
+    from corral.agent.proctree import (
+        become_subreaper,
+        kill_tree,
+        leftovers,
+        reap_orphans,
+        wait_gone,
+    )
     from corral.agent.relay import Channel, RankTailer, Relay, pump_pipe
 
 PROTOCOL = 1
