@@ -257,6 +257,9 @@ def _print_hang(con, n: int, report: RunReport) -> None:
         g = odd[0]
         at = g.user_frame or g.frame
         con.print(f"   [cyan]next:[/] {escape(f'the other ranks wait for {g.label}: look at what it does at {at} (I/O, a lock, a loop, a code path only it takes).')}")
+    elif len(hang.groups) > 1:  # split evenly (e.g. 1 and 1): none is the odd one out
+        con.print("   [cyan]next:[/] the ranks are in different places and none is the odd one out: "
+                  "the group outside the collective (its inner frame above) is the one to look at.")
     elif hang.groups:
         con.print("   [cyan]next:[/] every rank that answered is at the same place; a rank that left no "
                   "stack, or a peer they all wait for, is the one to look at.")
