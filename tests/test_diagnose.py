@@ -920,3 +920,13 @@ def test_a_native_crash_names_the_program_line_from_faulthandler():
     assert fe.traceback[0] == "Fatal Python error: Segmentation fault"
     out = _invoke(str(run)).output
     assert "It crashed in native code" in out and "segv.py:3" in out
+
+
+def test_an_interrupted_run_blames_the_interruption_not_a_peer():
+    """A real 2-node run stopped with Ctrl-C while rank 1 waited for data."""
+    run = FIXTURES / "run-interrupted"
+    report = diagnose_run(run)
+    assert report.status == "interrupted"
+    assert all(d.consequence for d in report.diagnoses if d.symptom)
+    out = _invoke(str(run)).output
+    assert "was interrupted (Ctrl-C or SIGTERM" in out and "Likely cause: A peer rank went away" not in out

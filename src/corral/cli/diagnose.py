@@ -144,6 +144,9 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
             head += escape(f"; first failure: {f.host}{rank}{code}")
         head += ")[/]"
     con.print(head)
+    if report.status == "interrupted":
+        con.print("[yellow]run.json records that this run was interrupted (Ctrl-C or SIGTERM to corral run): "
+                  "errors from the stop are marked as its consequences.[/]")
     if report.facts_hosts:
         con.print(f"[dim]using doctor facts for {escape(', '.join(report.facts_hosts))}[/]")
     if not report.found:
@@ -173,7 +176,8 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
     for d in shown:
         n += 1
         if d.consequence:
-            label = "Consequence of the first failure"
+            label = ("Consequence of the interruption (Ctrl-C or SIGTERM)" if report.status == "interrupted"
+                     else "Consequence of the first failure")
         else:
             causes += 1
             label = "Likely cause" if causes == 1 else "Also possible"

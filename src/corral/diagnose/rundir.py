@@ -174,6 +174,10 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
     ]
     order = {r.id: i for i, r in enumerate(rules)}
     diags = _merge(per_file, failure, order)
+    if record.get("status") == "interrupted":
+        # Ctrl-C or SIGTERM stopped it: a peer "going away" is that stop.
+        diags = [replace(d, consequence=True) if d.symptom else d for d in diags]
+        diags.sort(key=lambda d: d.consequence)
     first_error = _first_error(root, logs, per_file, failure)
     hang = read_hang(root, record, _rank_hosts(record)) if record else None
     return RunReport(path=str(root), kind="run" if run_json.is_file() else "dir",
