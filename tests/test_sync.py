@@ -514,3 +514,20 @@ def test_large_files_stream_node_to_node(
     want = _expected(root, EXPECTED | {"ckpt/big.bin"})
     for node in mesh_sandbox.nodes:
         assert node_tree(mesh_sandbox, node, root) == want, node
+
+
+def test_the_project_goes_to_the_cluster_files_workdir() -> None:
+    from corral.cli.sync import with_cluster_workdir
+    from corral.errors import UsageError
+    from corral.model import Cluster, Host
+    from corral.sync import SyncOptions
+
+    plain = Cluster(hosts=(Host(name="a"), Host(name="b")))
+    assert with_cluster_workdir(plain, SyncOptions()).to is None  # same path as here
+    shared = Cluster(hosts=(Host(name="a"), Host(name="b")), workdir="/srv/proj")
+    assert with_cluster_workdir(shared, SyncOptions()).to == "/srv/proj"
+    assert with_cluster_workdir(shared, SyncOptions(to="/elsewhere")).to == "/elsewhere"
+    mixed = Cluster(hosts=(Host(name="a"), Host(name="b", workdir="/srv/other")), workdir="/srv/proj")
+    with pytest.raises(UsageError) as e:
+        with_cluster_workdir(mixed, SyncOptions())
+    assert "a: /srv/proj, b: /srv/other" in e.value.message and "--to" in (e.value.hint or "")

@@ -122,7 +122,9 @@ def run(
         from corral.cli.sync import sync_cluster
         from corral.sync import SyncOptions
 
-        sync_cluster(cluster, SyncOptions(dry_run=dry_run), cwd=Path.cwd(), brief=True)
+        # to --workdir when given (else the cluster file's workdir, else the same path)
+        sync_cluster(cluster, SyncOptions(dry_run=dry_run, to=os.path.expanduser(workdir) if workdir else None),
+                     cwd=Path.cwd(), brief=True)
     spec = RunSpec(
         program=program, args=tuple(args), module=module, launcher=launcher,
         nproc_per_node=nproc_per_node, env=parse_env_flags(env_flags, os.environ),

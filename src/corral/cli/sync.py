@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -95,6 +96,7 @@ def sync_cluster(
     ``brief`` (for `corral run --sync`) prints one line on stderr instead, so
     the run's own output (and its --json) stays clean.
     """
+    options = with_cluster_workdir(cluster, options)
     view = ProgressView(quiet=as_json)
     report = asyncio.run(run_sync_async(cluster, options, cwd=cwd, view=view))
     if brief:
@@ -111,6 +113,25 @@ def sync_cluster(
     else:
         render(report, dry_run=options.dry_run, verbose=verbose)
     return report
+
+
+def with_cluster_workdir(cluster: Cluster, options: SyncOptions) -> SyncOptions:
+    """The project goes where runs will look for it: the cluster file's
+    ``workdir`` when it sets one (else the same path as here).  A sync copies
+    to one place, so hosts with different work directories need ``--to``."""
+    if options.to is not None or options.paths:
+        return options
+    dirs = {h.name: cluster.workdir_for(h) for h in cluster.hosts}
+    if not any(dirs.values()):
+        return options
+    distinct = set(dirs.values())
+    if len(distinct) > 1:
+        listing = ", ".join(f"{name}: {d or '(same path as here)'}" for name, d in dirs.items())
+        raise UsageError(f"the hosts have different work directories ({listing}); a sync copies to one place",
+                         hint="sync each group of hosts with -H/--to (e.g. corral sync -H h2 --to /srv/other), "
+                              "or give every host the same workdir in the cluster file")
+    (workdir,) = distinct
+    return replace(options, to=workdir)
 
 
 def render(report: SyncReport, *, dry_run: bool, verbose: bool) -> None:
