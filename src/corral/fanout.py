@@ -213,7 +213,10 @@ def run_everywhere(
                     job.proc.wait()
             sel.close()
     if stopping:
-        raise KeyboardInterrupt
+        # What the hosts said before the stop, for a caller that shows it.
+        interrupted = KeyboardInterrupt()
+        interrupted.results = [results[h.name] for h in cluster.hosts if h.name in results]  # type: ignore[attr-defined]
+        raise interrupted
     return [results[h.name] for h in cluster.hosts]
 
 

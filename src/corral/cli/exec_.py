@@ -8,7 +8,7 @@ import click
 
 from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
-from corral.errors import UsageError
+from corral.errors import EXIT_INTERRUPTED, UsageError
 from corral.fanout import command_line, run_everywhere
 from corral.gather import group_results
 
@@ -48,9 +48,15 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
         target.write(f"{host}: {line}\n")
         target.flush()
 
-    results = run_everywhere(cluster, text, timeout=timeout, fanout=fanout,
-                             on_line=live if no_fold and not as_json else None)
-    code = max((r.returncode for r in results), default=0)
+    interrupted = False
+    try:
+        results = run_everywhere(cluster, text, timeout=timeout, fanout=fanout,
+                                 on_line=live if no_fold and not as_json else None)
+    except KeyboardInterrupt as stop:
+        # Ctrl-C: every node has stopped; still show what they said before it.
+        results = getattr(stop, "results", [])
+        interrupted = True
+    code = EXIT_INTERRUPTED if interrupted else max((r.returncode for r in results), default=0)
     if as_json:
         import json
 
@@ -74,14 +80,18 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
             if g.stderr:
                 sys.stdout.write(paint(g.stderr.rstrip("\n"), "dim") + "\n")
             sys.stdout.flush()
+    from corral.hostrange import fold
+
+    hints: dict[str, list[str]] = {}
     for r in results:
         if r.error is not None and r.error.hint:
-            sys.stderr.write(f"{paint('HINT', 'yellow', stream=sys.stderr)} {r.host}: {r.error.hint}\n")
-            break
+            hints.setdefault(r.error.hint, []).append(r.host)
+    for hint, hosts in list(hints.items())[:3]:  # the same hint once, for all its hosts
+        sys.stderr.write(f"{paint('HINT', 'yellow', stream=sys.stderr)} {fold(hosts)}: {hint}\n")
     failed = [r.host for r in results if not r.ok]
-    if failed:
-        from corral.hostrange import fold
-
+    if interrupted:
+        sys.stderr.write("corral: interrupted; the command was stopped on every node\n")
+    elif failed:
         sys.stderr.write(f"corral: {len(failed)} of {len(results)} host(s) failed: {fold(failed)}\n")
     sys.stderr.flush()
     sys.exit(code)
