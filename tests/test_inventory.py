@@ -142,6 +142,7 @@ def test_hosts_arg(text: str, expected: list[tuple]) -> None:
         ("node[2-1]:8", "--hosts item 1: malformed host range"),
         ("node[1-2:8", "--hosts: malformed host range"),
         ("fe80::1:4", "IPv6"),
+        ("h1:2 h2:2", "hosts are separated by commas, not spaces"),
         ("@h1", "expected USER@HOST"),
         ("a@b@c", "expected USER@HOST"),
     ],

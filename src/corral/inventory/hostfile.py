@@ -200,6 +200,11 @@ def parse_hosts_arg(text: str, *, flag: str = "--hosts") -> Cluster:
                 f"item {index} is empty (stray comma?) in {text!r}", path=flag,
                 hint="write -H host1:8,host2:8 or -H 'gpu[01-04]:8'",
             )
+        if len(item.split()) > 1:
+            raise InventoryError(
+                f"{item!r}: hosts are separated by commas, not spaces", path=flag,
+                hint=f"write {flag} {','.join(item.split())}",
+            )
         if item.count(":") > 1:
             raise InventoryError(
                 f"{item!r}: IPv6 addresses cannot be given with {flag}",
