@@ -194,6 +194,7 @@ def test_corral_toml_with_hostfile_applies_cluster_defaults() -> None:
         ("bad_slots.toml", 3, "slots must be a positive integer, got 0"),
         ("bad_env.toml", 5, "env NCCL_IB_DISABLE must be a string"),
         ("bad_ssh_option.toml", 2, "'-i ~/.ssh/key' is not an ssh option"),
+        ("bad_relative_workdir.toml", 6, "workdir 'srv/proj' is relative"),
     ],
 )
 def test_corral_toml_errors_name_file_and_line(fixture: str, line: int, words: str) -> None:

@@ -148,7 +148,7 @@ class _TomlReader:
             source=f"cluster file {self.label}",
             name=cfg.get("name"),
             env=self.env(cfg, ("cluster",)),
-            workdir=cfg.get("workdir"),
+            workdir=self.workdir(cfg, ("cluster",)),
             ssh_options=self.ssh_options(cfg, ("cluster",)),
             ssh_config=self.ssh_config(cfg),
             path=str(path),
@@ -238,9 +238,18 @@ class _TomlReader:
             labels=tuple(labels),
             python=entry.get("python", cfg.get("python")),
             env=self.env(entry, at),
-            workdir=entry.get("workdir"),
+            workdir=self.workdir(entry, at),
             ssh_options=self.ssh_options(entry, at),
         )
+
+    def workdir(self, table: dict[str, Any], at: tuple) -> str | None:
+        """A node directory: absolute (or ~), since a relative one would be
+        taken from wherever the node's ssh login starts."""
+        value = table.get("workdir")
+        if value is not None and not value.startswith(("/", "~")):
+            raise self.fail(f"workdir {value!r} is relative: on a node it would be taken from the ssh "
+                            "login directory", *at, "workdir", hint=f"give an absolute path, e.g. \"/{value}\"")
+        return value
 
     def env(self, table: dict[str, Any], at: tuple) -> dict[str, str]:
         out: dict[str, str] = {}
