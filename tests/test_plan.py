@@ -99,11 +99,12 @@ def test_contract_variables_in_script_arguments_are_expanded_per_node() -> None:
     detectron2-style scripts are launched; nothing else is touched."""
     spec = RunSpec(program="python", launcher="command", run_id="r", args=(
         "train_net.py", "--dist-url", "tcp://$MASTER_ADDR:$MASTER_PORT", "--machine-rank", "${NODE_RANK}",
-        "--num-machines", "$NNODES", "--keep", "$HOME/$NODE_RANKS", "cost=$5"))
+        "--num-machines", "$NNODES", "--keep", "$HOME/$NODE_RANKS", "cost=$5", "\\$NODE_RANK"))
     p = plan(spec)
-    assert [n.argv[-9:] for n in p.nodes] == [
+    assert [n.argv[-10:] for n in p.nodes] == [
         ("train_net.py", "--dist-url", "tcp://10.0.0.1:29400", "--machine-rank", str(rank),
-         "--num-machines", "2", "--keep", "$HOME/$NODE_RANKS", "cost=$5")[-9:] for rank in (0, 1)]
+         "--num-machines", "2", "--keep", "$HOME/$NODE_RANKS", "cost=$5", "$NODE_RANK")[-10:]
+        for rank in (0, 1)]
 
 
 def test_deepspeed_plan_world_info() -> None:

@@ -162,7 +162,7 @@ def env_from_head(environ: Mapping[str, str]) -> dict[str, str]:
 CONTRACT_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES", "WORLD_SIZE", "CORRAL_RUN_ID",
                  "CORRAL_NODE_RANK", "CORRAL_NNODES", "CORRAL_NPROC_PER_NODE", "CORRAL_HOSTS",
                  "CORRAL_NODE_IPS")
-_CONTRACT_REF = re.compile(r"\$(?:\{(%s)\}|(%s)\b)" % ("|".join(CONTRACT_VARS), "|".join(CONTRACT_VARS)))
+_CONTRACT_REF = re.compile(r"(\\?)\$(?:\{(%s)\}|(%s)\b)" % ("|".join(CONTRACT_VARS), "|".join(CONTRACT_VARS)))
 
 
 def expand_contract(argv: tuple[str, ...], env: Mapping[str, str]) -> tuple[str, ...]:
@@ -170,7 +170,13 @@ def expand_contract(argv: tuple[str, ...], env: Mapping[str, str]) -> tuple[str,
     def one(arg: str) -> str:
         if "$" not in arg:
             return arg
-        return _CONTRACT_REF.sub(lambda m: env.get(m.group(1) or m.group(2), m.group(0)), arg)
+        def value(m: re.Match) -> str:
+            name = m.group(2) or m.group(3)
+            if m.group(1):  # \$NAME: the literal text, as a shell would leave it
+                return m.group(0)[1:]
+            return env.get(name, m.group(0))
+
+        return _CONTRACT_REF.sub(value, arg)
 
     return tuple(one(a) for a in argv)
 

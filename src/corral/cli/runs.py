@@ -19,7 +19,8 @@ from corral.runs import list_runs
 @click.command(name="runs")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where run directories are. Default: $CORRAL_RUNS_DIR or ./runs.")
-@click.option("-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Show at most this many runs, newest first.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable list.")
 def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
     """List the newest runs: status, launcher, ranks, duration, first failure."""
@@ -48,7 +49,7 @@ def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
             first = d["restarts"][0]
             fail = f"restarted {len(d['restarts'])}x; attempt {first.get('attempt')}: {first.get('failure')}"
         table.add_row(r.run_id, f"[{color}]{r.status}[/]", str(d.get("launcher", "")),
-                      str(d.get("world_size", "")), took, escape(str(d.get("program", ""))), escape(fail[:160]))
+                      str(d.get("world_size", "")), took, escape(_program(d)), escape(fail[:160]))
     con = ui.console()
     if not con.is_terminal:  # piped (grep, less): rows whole, not cut to 80 columns
         from rich.console import Console
@@ -56,3 +57,13 @@ def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
         con = Console(file=sys.stdout, highlight=False, width=max(con.width, 240), color_system=None)
     con.print(table)
     ui.notice(f"logs: {root}/<run>/<host>/rank<N>.log")
+
+
+def _program(d: dict) -> str:
+    """The script; for ``--launcher command`` the command and its first word
+    after the interpreter (``python det_train.py``), not ``python`` alone."""
+    program = str(d.get("program", ""))
+    args = d.get("args") if isinstance(d.get("args"), list) else []
+    if d.get("launcher") == "command" and args:
+        return f"{program} {args[0]}"
+    return program
