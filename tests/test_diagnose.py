@@ -930,3 +930,19 @@ def test_an_interrupted_run_blames_the_interruption_not_a_peer():
     assert all(d.consequence for d in report.diagnoses if d.symptom)
     out = _invoke(str(run)).output
     assert "was interrupted (Ctrl-C or SIGTERM" in out and "Likely cause: A peer rank went away" not in out
+
+
+def test_no_target_diagnoses_the_newest_run_that_did_not_succeed(tmp_path, monkeypatch):
+    monkeypatch.delenv("CORRAL_RUNS_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    missing = _invoke()
+    assert missing.exit_code == 2 and "no failed run in runs" in missing.output
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    shutil.copytree(KEYERROR_RUN, runs / "20261123-122356-cd38")
+    ok = runs / "20261124-000000-aaaa"  # newer, but it succeeded
+    ok.mkdir()
+    (ok / "run.json").write_text(json.dumps({"status": "succeeded", "started": 1.0}))
+    result = _invoke()
+    assert result.exit_code == 0, result.output
+    assert "rank 3 on h1n2 failed first: KeyError: 'batch_size'" in result.output

@@ -20,6 +20,7 @@ from corral.diagnose import (
 )
 from corral.diagnose.logtext import sniff_encoding
 from corral.diagnose.rundir import resolve_target
+from corral.errors import UsageError
 from corral.logs import default_runs_dir
 
 #: Causes shown without --all.
@@ -34,7 +35,7 @@ _NOTHING = (
 
 
 @click.command(name="diagnose")
-@click.argument("target", metavar="LOGFILE|RUN_DIR|RUN_ID|-")
+@click.argument("target", metavar="[LOGFILE|RUN_DIR|RUN_ID|-]", required=False)
 @click.option("--json", "as_json", is_flag=True,
               help="Print JSON (every match, with lines, fix steps and confidence) instead of the report.")
 @click.option("--all", "show_all", is_flag=True,
@@ -46,7 +47,7 @@ _NOTHING = (
               help="An extra rules file (same format as corral's rules.toml). Repeatable.")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where RUN_ID is looked up. Default: $CORRAL_RUNS_DIR or ./runs.")
-def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
+def diagnose(target: str | None, as_json: bool, show_all: bool, facts_file: str | None,
              rules_files: tuple[str, ...], runs_dir: Path | None) -> None:
     """Explain why a run failed: likely causes, the lines that show them, and the fix.
 
@@ -57,6 +58,7 @@ def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
     ranks are marked as consequences, and a hung run's stacks say which rank was
     elsewhere; RUN_ID is a run id or a unique prefix of one, looked up in ./runs
     (or --runs-dir, $CORRAL_RUNS_DIR), as `corral runs` lists them; `-` reads standard input.
+    With none, the newest run there that did not succeed.
 
     \b
     Examples:
@@ -75,7 +77,8 @@ def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
         report = RunReport(path="<stdin>", kind="file", files=("<stdin>",), failure=None,
                            facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags))
     else:
-        path = resolve_target(target, runs_dir or default_runs_dir(Path()))
+        root = runs_dir or default_runs_dir(Path())
+        path = resolve_target(target, root) if target is not None else _latest_unsuccessful(root)
         report = diagnose_run(path, facts=facts, rules=rules)
     if as_json:
         click.echo(json.dumps(_as_json(report), indent=2))
@@ -83,6 +86,17 @@ def diagnose(target: str, as_json: bool, show_all: bool, facts_file: str | None,
         _print_report(report, show_all=show_all)
     if not report.found:
         sys.exit(1)
+
+
+def _latest_unsuccessful(root: Path) -> Path:
+    from corral.runs import list_runs
+
+    for record in list_runs(root) if root.is_dir() else ():
+        if record.status not in ("succeeded", "running"):
+            ui.notice(f"diagnosing the newest run that did not succeed: {record.run_id} ({record.status})")
+            return record.dir
+    raise UsageError(f"no failed run in {root}",
+                     hint="give a log file, a run directory or a run id (`corral runs` lists them)")
 
 
 def _as_json(report: RunReport) -> dict:
