@@ -105,6 +105,19 @@ def _differs(path, size, sha256) -> bool:
         return False  # missing or unreadable: reported (or not) as such, not as different
 
 
+def accelerate_config_mode(path):
+    """``distributed_type`` an accelerate config file (YAML or JSON) sets, upper-cased, or None."""
+    import re
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except (OSError, ValueError):
+        return None
+    m = re.search(r'(?:^|[{,])\s*"?distributed_type"?\s*:\s*["\']?(\w+)', text, re.MULTILINE)
+    return m.group(1).upper() if m else None
+
+
 def accelerate_default_mode():
     """``distributed_type`` of this node's accelerate default config, if it has one.
 
@@ -113,15 +126,7 @@ def accelerate_default_mode():
     when no ``--config_file`` is given, but only when no mode flag is."""
     home = os.environ.get("HF_HOME") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
-    try:
-        with open(os.path.join(home, "accelerate", "default_config.yaml"), encoding="utf-8") as f:
-            text = f.read(1 << 20)
-    except (OSError, ValueError):
-        return None
-    import re
-
-    m = re.search(r'(?:^|[{,])\s*"?distributed_type"?\s*:\s*["\']?(\w+)', text, re.MULTILINE)
-    return m.group(1).upper() if m else None
+    return accelerate_config_mode(os.path.join(home, "accelerate", "default_config.yaml"))
 
 
 def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(), compare=None,

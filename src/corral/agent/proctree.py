@@ -134,18 +134,12 @@ def reap_orphans(keep: set) -> None:
             pass
 
 
-def kill_tree(grace: float, keep: set, first: int = signal.SIGTERM) -> None:
-    """Signal everything we started with ``first`` (SIGTERM; SIGINT for a
-    Ctrl-C, so the program's KeyboardInterrupt handlers run, as under a
-    terminal), then SIGTERM what is left after ``grace`` (when ``first`` was
-    not SIGTERM: a DataLoader worker ignores SIGINT) and SIGKILL the rest."""
-    if signal_tree(first) == 0:
+def kill_tree(grace: float, keep: set) -> None:
+    """SIGTERM everything we started, then SIGKILL what is left after ``grace``."""
+    if signal_tree(signal.SIGTERM) == 0:
         return
     if wait_gone(grace, keep):
         return
-    if first != signal.SIGTERM:
-        if signal_tree(signal.SIGTERM) == 0 or wait_gone(1.0, keep):
-            return
     for _ in range(50):
         if signal_tree(signal.SIGKILL) == 0:
             return

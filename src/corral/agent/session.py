@@ -65,6 +65,8 @@ class AgentSession:
     _pending: dict[int, asyncio.Future] = field(default_factory=dict)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _tasks: list[asyncio.Task] = field(default_factory=list)
+    #: The tasks reading the agent's stdout and stderr (read to the end on close).
+    _readers: list[asyncio.Task] = field(default_factory=list)
     _hello: asyncio.Future | None = None
     _lost: asyncio.Future | None = None
 
@@ -97,10 +99,11 @@ class AgentSession:
             raise HostError(self.name, f"cannot run {argv[0]!r}: {e.strerror}",
                             hint="install the OpenSSH client (apt-get install openssh-client)") from None
         self.last_heard = time.monotonic()
-        self._tasks = [
+        self._readers = [
             asyncio.create_task(self._read_events()),
             asyncio.create_task(self._read_stderr()),
         ]
+        self._tasks = list(self._readers)
         assert self.proc.stdin is not None
         self.proc.stdin.write(payload())
         try:
@@ -239,8 +242,7 @@ class AgentSession:
         # What the agent wrote before it exited is still in the pipe: read it
         # to the end before stopping the readers.
         try:
-            readers = self._tasks[:2]  # _read_events, _read_stderr (not the pinger)
-            await asyncio.wait_for(asyncio.gather(*readers, return_exceptions=True), timeout)
+            await asyncio.wait_for(asyncio.gather(*self._readers, return_exceptions=True), timeout)
         except asyncio.TimeoutError:
             pass
         for t in self._tasks:

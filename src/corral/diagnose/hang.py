@@ -17,16 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corral.stacks import Frame, fold_ranks, main_stack, merge, odd_ones_out
+from corral.diagnose.pyexc import is_library
+from corral.stacks import fold_ranks, main_stack, merge, odd_ones_out
 
 _RANK_HEADER = re.compile(r"^===== rank (\d+) =====\s*$", re.MULTILINE)
 _ELSEWHERE = re.compile(r"(ranks? [\d,-]+) elsewhere than the others")
 _STACKS_IN_REASON = re.compile(r"\(stacks: (?P<path>[^)]+)\)")
 _NO_PROGRESS = re.compile(r"no progress for [\d.]+\s*s")
-# Library code: installed packages, the standard library, frozen and generated modules.
-_LIBRARY = re.compile(
-    r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib[/\\]python\d+(?:\.\d+)?[/\\]|[/\\]Lib[/\\]|^<"
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,10 +90,6 @@ def _on(hosts: tuple[str, ...]) -> str:
     return f" on {', '.join(hosts)}" if hosts else ""
 
 
-def _is_user(frame: Frame) -> bool:
-    return not _LIBRARY.search(frame.file)
-
-
 def parse_stacks_file(text: str) -> dict[int, str]:
     """``stacks-*.txt`` -> {rank: that rank's faulthandler dump}."""
     parts = _RANK_HEADER.split(text)
@@ -149,7 +142,7 @@ def read_hang(root: Path, record: Mapping[str, Any], rank_hosts: Mapping[int, st
     by_place: dict[tuple[str, str | None], list[int]] = {}
     for rank, frames in sorted(stacks.items()):
         inner = frames[-1]
-        user = next((f for f in reversed(frames) if _is_user(f)), None)
+        user = next((f for f in reversed(frames) if not is_library(f.file)), None)
         key = (inner.label(), user.label() if user is not None and user != inner else None)
         by_place.setdefault(key, []).append(rank)
     groups = [

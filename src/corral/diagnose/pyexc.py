@@ -33,6 +33,11 @@ _LIBRARY = re.compile(
 )
 
 
+def is_library(path: str) -> bool:
+    """A file of an installed package, the standard library, or generated code."""
+    return bool(_LIBRARY.search(path))
+
+
 def basename(path: str) -> str:
     return re.split(r"[/\\]", path)[-1]
 
@@ -50,7 +55,7 @@ class Frame:
 
     @property
     def is_user(self) -> bool:
-        return not _LIBRARY.search(self.file)
+        return not is_library(self.file)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,15 +13,14 @@ Anything else (mixed precision, a DeepSpeed/FSDP config file) goes through
 from __future__ import annotations
 
 import os
-import re
 
+from corral.agent.probes import accelerate_config_mode
 from corral.launchers.base import NodeCommand, NodeContext, node_env
 
 #: accelerate's flags that pick the distributed mode themselves.
 _MODE_FLAGS = {"--multi_gpu", "--cpu", "--tpu", "--use_fsdp", "--use_deepspeed", "--use_megatron_lm"}
 #: distributed_type values a config file sets that --multi_gpu would override.
 _CONFIG_MODES = {"FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"}
-_DISTRIBUTED_TYPE = re.compile(r'(?:^|[{,])\s*"?distributed_type"?\s*:\s*["\']?(\w+)', re.MULTILINE)
 
 
 def plan(ctx: NodeContext) -> NodeCommand:
@@ -41,7 +40,7 @@ def plan(ctx: NodeContext) -> NodeCommand:
         # start a single process.)  Not when the user chose the mode: any of
         # these flags, or a config file whose distributed_type is FSDP,
         # DeepSpeed, Megatron-LM or XLA, would be overridden by --multi_gpu.
-        if user_mode(ctx.launcher_args, ctx.local_dir) is None and not _default_config_picks_mode(ctx):
+        if chosen_mode(ctx) is None:
             argv.append("--multi_gpu")
         if not ctx.gpus:
             env["ACCELERATE_USE_CPU"] = "1"
@@ -52,35 +51,22 @@ def plan(ctx: NodeContext) -> NodeCommand:
     return NodeCommand(argv=tuple(argv), env=env)
 
 
-def user_mode(launcher_args: tuple[str, ...], local_dir: str | None) -> str | None:
-    """The distributed mode the user chose in --launcher-arg, if any: a mode
-    flag, or a ``--config_file`` whose ``distributed_type`` is FSDP, DeepSpeed,
-    Megatron-LM or XLA (read here, where corral runs: the project is the same
-    on every node)."""
-    for i, arg in enumerate(launcher_args):
+def chosen_mode(ctx: NodeContext) -> str | None:
+    """The distributed mode the user chose, if any: a mode flag in
+    --launcher-arg, else the ``distributed_type`` (FSDP, DeepSpeed, Megatron-LM,
+    XLA) of the ``--config_file`` given there (read here, where corral runs: the
+    project is the same on every node), else of the node's own default config,
+    which accelerate reads when neither is given."""
+    config = None
+    for i, arg in enumerate(ctx.launcher_args):
         name, eq, value = arg.partition("=")
         name = "--" + name[2:].replace("-", "_") if name.startswith("--") else name
         if name in _MODE_FLAGS:
             return name
         if name == "--config_file":
-            path = value if eq else (launcher_args[i + 1] if i + 1 < len(launcher_args) else "")
-            mode = _config_mode(os.path.join(local_dir or ".", os.path.expanduser(path)))
-            if mode in _CONFIG_MODES:
-                return mode
-    return None
-
-
-def _config_mode(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            m = _DISTRIBUTED_TYPE.search(f.read(1 << 20))
-    except OSError:
-        return None
-    return m.group(1).upper() if m else None
-
-
-def _default_config_picks_mode(ctx: NodeContext) -> bool:
-    """The node's default_config.yaml says FSDP/DeepSpeed/...; accelerate applies it
-    when no --config_file and no mode flag are given."""
-    has_config = any(a.partition("=")[0].replace("-", "_") == "__config_file" for a in ctx.launcher_args)
-    return not has_config and ctx.accelerate_mode in _CONFIG_MODES
+            config = value if eq else (ctx.launcher_args[i + 1] if i + 1 < len(ctx.launcher_args) else "")
+    if config is not None:
+        mode = accelerate_config_mode(os.path.join(ctx.local_dir or ".", os.path.expanduser(config)))
+    else:
+        mode = ctx.accelerate_mode
+    return mode if mode in _CONFIG_MODES else None

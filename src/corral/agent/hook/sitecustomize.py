@@ -89,11 +89,11 @@ def _corral_install():
 
     sys.excepthook = record_exception
 
+    import faulthandler
+
     try:
         # A crash in native code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT...) leaves no
         # Python traceback: have the rank's log say where in the program it was.
-        import faulthandler
-
         if not faulthandler.is_enabled():
             faulthandler.enable(all_threads=False)
     except Exception:
@@ -102,8 +102,6 @@ def _corral_install():
     sig = os.environ.get("CORRAL_STACK_SIGNAL", "")
     if sig.isdigit():
         try:
-            import faulthandler
-
             stacks = open(base + ".stacks", "a")
             faulthandler.register(int(sig), file=stacks, all_threads=True, chain=False)
         except Exception:
