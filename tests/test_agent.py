@@ -39,6 +39,14 @@ def test_huge_line_is_sent_in_pieces_marked_to_be_joined() -> None:
         piece.decode("utf-8")  # every piece is whole characters
 
 
+async def until_exit(events: list[dict], timeout: float) -> None:
+    """Wait (up to ``timeout``) for the agent's ``exit`` event."""
+    for _ in range(int(timeout / 0.05)):
+        if any(e.get("ev") == "exit" for e in events):
+            return
+        await asyncio.sleep(0.05)
+
+
 def _local() -> Cluster:
     return Cluster(hosts=(Host(name="me", local=True, python=sys.executable),))
 
@@ -67,10 +75,7 @@ def test_agent_calls_and_stops_its_whole_tree(tmp_path) -> None:
                     break
                 await asyncio.sleep(0.05)
             await s.send(op="stop", grace=0.5)
-            for _ in range(100):
-                if any(e.get("ev") == "exit" for e in events):
-                    break
-                await asyncio.sleep(0.05)
+            await until_exit(events, 5.0)
         finally:
             await pool.close()
 
@@ -158,10 +163,7 @@ def test_job_temp_dir_and_its_parent_are_removed_at_the_end(tmp_path, monkeypatc
             await pool.sessions[0].send(op="start", spec={
                 "argv": [sys.executable, "-c", code], "env": {}, "cwd": str(tmp_path),
                 "hook_source": "", "tag": tag})
-            for _ in range(200):
-                if any(e.get("ev") == "exit" for e in events):
-                    break
-                await asyncio.sleep(0.05)
+            await until_exit(events, 10.0)
         finally:
             await pool.close()
 

@@ -38,6 +38,22 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def wait_for_lines(proc: subprocess.Popen, marker: str, count: int) -> None:
+    """Read the run's output until ``marker`` has been printed ``count`` times."""
+    seen = 0
+    for line in proc.stdout:  # type: ignore[union-attr]
+        seen += marker in line
+        if seen == count:
+            return
+
+
+def interrupt(proc: subprocess.Popen, timeout: float) -> int:
+    """Ctrl-C the run; its exit code once it has stopped."""
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=timeout)
+    return proc.returncode
+
+
 CHATTY = """
     import os, sys, time
     import torch.distributed as dist
@@ -274,14 +290,8 @@ def test_ctrl_c_reaches_the_script_as_keyboard_interrupt(tmp_path: Path, fresh: 
     proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", *extra, "ckpt.py"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        ready = 0
-        for line in proc.stdout:  # type: ignore[union-attr]
-            ready += "ready" in line
-            if ready == 2:
-                break
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
-        assert proc.returncode == 130
+        wait_for_lines(proc, "ready", 2)
+        assert interrupt(proc, timeout=30) == 130
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -463,15 +473,9 @@ def test_ctrl_c_leaves_no_node_temp_files(tmp_path: Path, node_tmp: Path) -> Non
     proc = subprocess.Popen(CORRAL + ["run", "loop.py"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(node_tmp)})
     try:
-        seen = 0
-        for line in proc.stdout:
-            seen += "ready" in line
-            if seen == 2:
-                break
+        wait_for_lines(proc, "ready", 2)
         assert any(p.name.startswith("torchelastic_") or p.name == "elastic" for p in node_tmp.rglob("*"))
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=20)
-        assert proc.returncode == 130
+        assert interrupt(proc, timeout=20) == 130
     finally:
         if proc.poll() is None:
             proc.kill()
