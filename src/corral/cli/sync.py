@@ -195,7 +195,8 @@ def render(report: SyncReport, *, dry_run: bool, verbose: bool) -> None:
     "to",
     metavar="DIR",
     default=None,
-    help="Destination on the nodes (absolute). Default: the same path as here.",
+    help="Destination on the nodes (absolute). Default: the cluster file's workdir, else the same "
+         "path as here.",
 )
 @click.option(
     "--delete",
@@ -240,6 +241,7 @@ def sync(
     \b
     Examples:
       corral sync -c hostfile                  # this git project, same path on every node
+                                             # (or the cluster file's workdir)
       corral sync -c hostfile --delete -n      # what would change (and be deleted) on each node
       corral sync data/ ckpt/model.pt          # parts of the project (even if .gitignore'd)
       corral sync /datasets/wiki --to /srv     # a tree outside the project -> /srv/wiki
