@@ -26,7 +26,7 @@ from corral.gather import group_results
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_fold: bool,
           as_json: bool, command: tuple[str, ...]) -> None:
-    """Run COMMAND through the shell on every node, in parallel.
+    """Run COMMAND through each node's login shell ($SHELL -c, as ssh does), in parallel.
 
     \b
       corral exec -c hostfile -- nvidia-smi -L
