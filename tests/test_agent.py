@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -89,6 +90,50 @@ def test_agent_calls_and_stops_its_whole_tree(tmp_path) -> None:
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_repeated_sigterm_still_stops_the_job(tmp_path) -> None:
+    """A head that dies delivers several SIGTERMs (PR_SET_PDEATHSIG fires once
+    per exiting thread): later ones must not end the agent's teardown early,
+    leaving the job (here one that ignores SIGTERM) running."""
+    events: list[dict] = []
+    pidfile = tmp_path / "pid"
+    code = ("import os,signal,time\nsignal.signal(signal.SIGTERM,signal.SIG_IGN)\n"
+            f"open({str(pidfile)!r},'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+
+    async def main() -> int:
+        pool = AgentPool(_local(), tag="t", on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            s = pool.sessions[0]
+            await s.send(op="start", spec={"argv": [sys.executable, "-c", code], "env": {}, "cwd": str(tmp_path),
+                                           "hook_source": "", "tag": "t-0"})
+            for _ in range(200):
+                if pidfile.exists() and pidfile.read_text():
+                    break
+                await asyncio.sleep(0.05)
+            agent = int(s.hello["pid"])
+            for _ in range(100):  # a burst, as a dying multi-threaded parent sends them
+                try:
+                    os.kill(agent, signal.SIGTERM)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.002)
+            return agent
+        finally:
+            await pool.close()
+
+    agent = asyncio.run(main())
+    job = int(pidfile.read_text())
+    try:
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{job}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{job}"), "the agent died and left its job running"
+        assert not os.path.exists(f"/proc/{agent}")
+    finally:
+        if os.path.exists(f"/proc/{job}"):
+            os.kill(job, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------

@@ -449,6 +449,9 @@ class Agent:
         self.tmp_root = None
 
     def shutdown(self) -> None:
+        """Stop everything this agent started; signals no longer interrupt it."""
+        global _TEARING_DOWN
+        _TEARING_DOWN = True
         if self.proc is not None:
             kill_tree(2.0, {self.proc.pid})
             try:
@@ -549,7 +552,21 @@ def _on_child(signum, frame):  # pragma: no cover - signal plumbing
     _CHILD_EXITED.set()
 
 
+#: Set once the agent tears down; a signal after that is ignored.
+_TEARING_DOWN = False
+
+
 def _on_term(signum, frame):  # pragma: no cover - exercised by head-death tests
+    """The first SIGTERM or SIGHUP unwinds into ``main``'s teardown; later ones
+    are ignored.  The head's death may deliver several within a millisecond:
+    PR_SET_PDEATHSIG fires each time the kernel moves us to another exiting
+    thread of a multi-threaded parent.  A second SystemExit raised inside the
+    teardown used to end the agent before it stopped the job, leaving the
+    launcher and its ranks running."""
+    global _TEARING_DOWN
+    if _TEARING_DOWN:
+        return
+    _TEARING_DOWN = True
     raise SystemExit(128 + signum)
 
 
@@ -589,9 +606,14 @@ def main(reader=None) -> int:
     code = 0
     try:
         code = agent.serve()
-    except SystemExit as e:
-        agent.shutdown()
+    except SystemExit as e:  # SIGTERM or SIGHUP (the head or its ssh died)
         code = e.code if isinstance(e.code, int) else 1
-    # os._exit: the stdin reader thread may be blocked in a read, and a normal
-    # interpreter shutdown would abort on its buffer lock.
-    os._exit(code)
+        agent.shutdown()
+    except BaseException as e:  # a bug here must not leave the job running
+        code = 70
+        chan.send(ev="fatal", t="agent error: %s: %s" % (type(e).__name__, e))
+        agent.shutdown()
+    finally:
+        # os._exit: the stdin reader thread may be blocked in a read, and a
+        # normal interpreter shutdown would abort on its buffer lock.
+        os._exit(code)
