@@ -178,6 +178,26 @@ def test_a_multi_line_exception_is_one_line_in_the_summary(tmp_path: Path) -> No
     assert "rank 2: xxx" in res.stderr  # the whole message is still in the traceback tail
 
 
+def test_an_mp_spawn_workers_error_is_the_headline(tmp_path: Path) -> None:
+    """torch.multiprocessing.spawn re-raises a worker's error as ProcessRaisedException
+    with the worker's traceback as text: the summary names the worker's error."""
+    write(tmp_path / "spawny.py", """
+        import torch.multiprocessing as mp
+
+        def work(i):
+            if i == 1:
+                raise ValueError(f"bad shard 7 in worker {i}")
+
+        if __name__ == "__main__":
+            mp.spawn(work, nprocs=2)
+    """)
+    res = corral(["run", "-n", "1", "spawny.py"], tmp_path)
+    assert res.returncode == 1
+    [line] = [ln for ln in res.stderr.splitlines() if "FAILED" in ln]
+    assert "failed: ValueError: bad shard 7 in worker 1 (in mp.spawn process 1)" in line, line
+    assert "ProcessRaisedException" not in line
+
+
 def test_a_hang_in_a_rendezvous_the_script_chose_is_explained(tmp_path: Path) -> None:
     write(tmp_path / "ownport.py", """
         import os, socket

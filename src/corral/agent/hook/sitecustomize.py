@@ -81,6 +81,11 @@ def _corral_install():
             import json
 
             text = "%s: %s" % (etype.__name__, value) if str(value) else etype.__name__
+            inner = str(value).strip().splitlines()
+            if etype.__name__ == "ProcessRaisedException" and inner:
+                # torch.multiprocessing.spawn re-raises a worker's error as text
+                # ending in that worker's own exception line: that is the error.
+                text = "%s (in mp.spawn process %s)" % (inner[-1].strip(), getattr(value, "error_index", "?"))
             with open(base + ".status", "w") as f:
                 json.dump({"exc": text[:2000]}, f)
         except Exception:
