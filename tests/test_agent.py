@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from corral.agent.relay import LineSplitter
 from corral.agent.session import AgentPool
 from corral.model import Cluster, Host
@@ -134,6 +136,61 @@ def test_repeated_sigterm_still_stops_the_job(tmp_path) -> None:
     finally:
         if os.path.exists(f"/proc/{job}"):
             os.kill(job, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("prewarmed", [False, True])
+def test_a_launcher_does_not_outlive_an_agent_killed_with_sigkill(tmp_path, monkeypatch, prewarmed: bool) -> None:
+    """Nothing can clean up after an agent that is SIGKILLed (by an admin, the
+    OOM killer): its launcher gets SIGTERM from the kernel instead, fresh or
+    prewarmed, and stops its own workers."""
+    events: list[dict] = []
+    pidfile = tmp_path / "pid"
+    (tmp_path / "launcher_mod.py").write_text(
+        "import os,time\nif __name__ == '__main__':\n"
+        f"    open({str(pidfile)!r},'w').write(str(os.getpid()))\n    time.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the agent's, and so the prewarmed process's
+
+    async def main() -> None:
+        pool = AgentPool(_local(), tag="t", on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            s = pool.sessions[0]
+            argv = [sys.executable, "launcher_mod.py"]
+            if prewarmed:  # the path torchrun takes: `python -m <module>`, imported ahead
+                await s.send(op="prewarm", python=sys.executable, module="launcher_mod")
+                argv = [sys.executable, "-m", "launcher_mod"]
+                await asyncio.sleep(0.5)
+            await s.send(op="start", spec={"argv": argv, "env": {}, "cwd": str(tmp_path),
+                                           "hook_source": "", "tag": "t-0"})
+            for _ in range(200):
+                if pidfile.exists() and pidfile.read_text():
+                    break
+                await asyncio.sleep(0.05)
+            agent = int(s.hello["pid"])
+            if prewarmed:  # it was the prewarmed process that ran the job
+                assert open(f"/proc/{int(pidfile.read_text())}/cmdline").read().split("\0")[1] == "-c"
+            os.kill(agent, signal.SIGKILL)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    job = int(pidfile.read_text())
+    try:
+        deadline = time.monotonic() + 5
+        while pid_alive(job) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pid_alive(job), "the launcher outlived its agent"
+    finally:
+        if pid_alive(job):
+            os.kill(job, signal.SIGKILL)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------

@@ -73,6 +73,7 @@ PROTOCOL = 1
 #: and runpy warns ("found in sys.modules ... unpredictable behaviour") otherwise.
 PREWARM = (
     "import json, os, runpy, sys\n"
+    "%(die_with_agent)s\n"
     "_corral_start_env = dict(os.environ)\n"
     "import %(module)s\n"
     "%(extra)s\n"
@@ -125,6 +126,33 @@ PREWARM_FIXUPS = (
     "        setattr(sys, _n, io.TextIOWrapper(io.open(_fd, 'wb', buffering=0, closefd=False),"
     " encoding=_o.encoding, errors=_o.errors, write_through=True))\n"
 )
+
+#: The prewarmed launcher gets SIGTERM if the agent itself dies abruptly
+#: (SIGKILL, the OOM killer): torchrun then stops its ranks rather than run on
+#: with nobody to stop them.  A fresh launcher gets the same from
+#: ``_die_with_agent``.
+DIE_WITH_AGENT = (
+    "try:\n"
+    "    import ctypes; ctypes.CDLL(None).prctl(1, 15, 0, 0, 0)\n"
+    "except Exception: pass\n"
+    "if os.getppid() != %d: raise SystemExit(0)"
+)
+
+
+def _die_with_agent() -> None:  # pragma: no cover - runs between fork and exec
+    """SIGTERM to the launcher when the agent dies (PR_SET_PDEATHSIG).
+
+    Set from the agent's main thread, which lives as long as the agent: the
+    signal fires when the thread that forked the child exits."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != _AGENT_PID:
+        raise OSError("the agent exited while starting the job")
+
+
+_PRCTL = None
+_AGENT_PID = os.getpid()
+
 
 #: Run in a prewarmed torchrun before its job.  torchrun's exit barrier lives in
 #: the TCP store of node rank 0's torchrun, which may pass the barrier and exit
@@ -256,8 +284,9 @@ class Agent:
                     stderr=subprocess.PIPE,
                     start_new_session=True,
                     close_fds=True,
+                    preexec_fn=_die_with_agent,  # noqa: PLW1509 - only a prctl call
                 )
-            except OSError as e:
+            except (OSError, subprocess.SubprocessError) as e:
                 self.chan.send(ev="exit", code=127, sig=None, error="cannot start %s: %s" % (spec["argv"][0], e))
                 self.cleanup_tmp()
                 return
@@ -294,6 +323,7 @@ class Agent:
                     "extra": TORCHRUN_EXIT_ACK if elastic else "",
                     "preload": PRELOAD % (preload, [name for name, _ in preload]) if preload else "",
                     "fixups": PREWARM_FIXUPS,
+                    "die_with_agent": DIE_WITH_AGENT % os.getpid(),
                 }],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, close_fds=True,
@@ -583,6 +613,14 @@ def main(reader=None) -> int:
     os.close(devnull)
     chan = Channel(proto_fd)
     subreaper = become_subreaper()
+    global _PRCTL, _AGENT_PID
+    _AGENT_PID = os.getpid()
+    try:  # resolved here: the child between fork and exec only calls it
+        import ctypes
+
+        _PRCTL = ctypes.CDLL(None).prctl
+    except Exception:
+        _PRCTL = None
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGHUP, _on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
