@@ -345,6 +345,18 @@ def test_dry_run_prints_plan_and_starts_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
+def test_dry_run_shows_the_port_it_has_not_chosen_yet(tmp_path: Path) -> None:
+    """corral picks the master port on node 0 at launch: a dry run says so, not port 0."""
+    res = corral(["run", "--dry-run", "-n", "2", "--launcher", "command", "--", "python", "x.py",
+                  "--port", "$MASTER_PORT"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "argv: python x.py --port <port>" in res.stdout
+    assert re.search(r"MASTER_PORT\s+<port>", res.stdout) and not re.search(r"MASTER_PORT\s+0\b", res.stdout)
+    res = corral(["run", "--dry-run", "--json", "-n", "2", "--master-port", "29555", "x.py"], tmp_path)
+    node = json.loads(res.stdout)["nodes"][0]
+    assert "--master-port=29555" in node["argv"] and node["env"]["MASTER_PORT"] == "29555"
+
+
 def test_missing_script_is_named_before_anything_starts(tmp_path: Path) -> None:
     res = corral(["run", "nope.py"], tmp_path)
     assert res.returncode == 3

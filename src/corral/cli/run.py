@@ -212,12 +212,20 @@ def _refuse_launcher_as_program(program: str, args: tuple[str, ...]) -> None:
                      "; to run an arbitrary command on every node use --launcher command")
 
 
+#: Stands for the master port in a dry run's plan (corral picks a free one on
+#: node 0 only at launch); shown as ``PORT_UNCHOSEN`` wherever it lands.
+_PORT_STANDIN = 65099
+PORT_UNCHOSEN = "<port>"
+
+
 def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
     first = cluster.hosts[0]
     master = "127.0.0.1" if len(cluster.hosts) == 1 else first.connect_address
     port = spec.master_port or 0
     plan = build_plan(cluster, spec, {h.name: NodeFacts() for h in cluster.hosts}, master_addr=master,
-                      master_port=port, head_env=os.environ, head_cwd=os.getcwd())
+                      master_port=port or _PORT_STANDIN, head_env=os.environ, head_cwd=os.getcwd())
+    if not port:
+        plan = _port_unchosen(plan)
     unknown_slots = spec.nproc_per_node is None and any(h.slots is None for h in cluster.hosts)
     if as_json:
         click.echo(json.dumps(_plan_json(plan, unknown_slots, preload=spec.preload and spec.launcher in PREWARMED),
@@ -244,7 +252,26 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
     ui.notice("dry run: nothing was started")
 
 
+def _port_unchosen(plan: LaunchPlan) -> LaunchPlan:
+    """The plan with the stand-in port shown as ``<port>`` (launcher flags,
+    ``$MASTER_PORT`` in the script's arguments, the environment)."""
+    import dataclasses
+    import re
+
+    standin = re.compile(rf"(?<![0-9]){_PORT_STANDIN}(?![0-9])")
+
+    def sub(text: str) -> str:
+        return standin.sub(PORT_UNCHOSEN, text)
+
+    nodes = tuple(dataclasses.replace(n, argv=tuple(sub(a) for a in n.argv),
+                                      env={k: sub(v) for k, v in n.env.items()}) for n in plan.nodes)
+    return dataclasses.replace(plan, master_port=0, nodes=nodes)
+
+
 def _q(word: str) -> str:
+    if word == PORT_UNCHOSEN or word.endswith("=" + PORT_UNCHOSEN) or word.endswith(":" + PORT_UNCHOSEN):
+        return word  # a placeholder, not a shell word
+
     import shlex
 
     return shlex.quote(word)
