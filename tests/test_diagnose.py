@@ -175,6 +175,50 @@ def test_nccl_without_cuda_says_to_fall_back_to_gloo():
                          "sure to call init_process_group.")[0].rule_id == "process-group-not-initialized"
 
 
+@pytest.mark.parametrize(
+    ("text", "rule_id"),
+    [
+        # the third held-out round's classes, in the other wordings they come in
+        ("RuntimeError: CUDA error: CUDA-capable device(s) is/are busy or unavailable", "cuda-device-busy"),
+        ("RuntimeError: cuda runtime error (802) : system not yet initialized at THCGeneral.cpp:50",
+         "gpu-fabric-manager"),
+        ("AssertionError: no_sync context manager is incompatible with gradient partitioning logic of "
+         "ZeRO stage 2", "zero-no-sync"),
+        ("RuntimeError: No backend type associated with device type cpu", "collective-on-cpu-tensor"),
+        ("ValueError: Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`",
+         "fsdp-mixed-requires-grad"),
+        ("[rank0]: RuntimeError: aten.cat.default: got mixed torch.Tensor and DTensor, need to convert all "
+         "torch.Tensor to DTensor before calling distributed operators!", "dtensor-mixed"),
+        ("Parameter at index 753 has been marked as ready twice. This means that multiple autograd engine "
+         " hooks have fired for this particular parameter during this iteration.", "ddp-reentrant-checkpoint"),
+        ("AssertionError: CUDA_HOME does not exist, unable to compile CUDA op(s)", "deepspeed-cuda-home-missing"),
+        ('docker: Error response from daemon: could not select device driver "" with capabilities: [[gpu]].',
+         "container-gpu-runtime"),
+        ("RuntimeError: Missing key in checkpoint state_dict: model.2.weight", "dcp-key-mismatch"),
+        ("OSError: Unable to open file (unable to lock file, errno = 35, error message = 'Resource "
+         "temporarily unavailable')", "hdf5-file-lock"),
+    ],
+)
+def test_new_classes_read_their_other_wordings(text, rule_id):
+    assert diagnose_text(text)[0].rule_id == rule_id
+
+
+def test_container_runtime_error_is_found_after_its_cli_prefix():
+    # "nvidia-container-cli:" looks like a pdsh host prefix to the log reader
+    (top,) = diagnose_path(FIXTURES / "container-gpu-runtime.log")
+    assert top.rule_id == "container-gpu-runtime"
+    assert any("nvidia-ctk runtime configure --runtime=docker" in step for step in top.fix)
+
+
+def test_ddp_warnings_of_healthy_runs_are_not_failures():
+    assert diagnose_text(
+        "[W reducer.cpp:1303] Warning: find_unused_parameters=True was specified in DDP constructor, but did "
+        "not find any unused parameters in the forward pass. This flag results in an extra traversal of the "
+        "autograd graph every iteration,  which can adversely affect performance.\n"
+        "UserWarning: torch.utils.checkpoint: the use_reentrant parameter should be passed explicitly.\n"
+    ) == []
+
+
 def test_docs_list_every_rule():
     text = DOCS.read_text(encoding="utf-8")
     missing = [r.id for r in RULES if f"`{r.id}`" not in text]
