@@ -321,6 +321,11 @@ def test_extra_rules_file_adds_a_rule(tmp_path):
          "[E321 02:07:08.465 ProcessGroupNCCL.cpp:1664] [PG 1 Rank 0] Exception"),
         ("srun: error: gpu-0-1: tasks 8-13,15: Exited with exit code 1", "gpu-0-1", None,
          "srun: error: gpu-0-1: tasks 8-13,15: Exited with exit code 1"),
+        # a tool naming itself is not a pdsh host; a dashed host name still is
+        ("nvidia-container-cli: initialization error: load library failed", None, None,
+         "nvidia-container-cli: initialization error: load library failed"),
+        ("ssh-keygen: generating new host keys", None, None, "ssh-keygen: generating new host keys"),
+        ("gpu-node-a: RuntimeError: boom", "gpu-node-a", None, "RuntimeError: boom"),
     ],
 )
 def test_launcher_prefixes_are_stripped_and_attributed(raw, host, rank, text):

@@ -73,6 +73,10 @@ _RANK_HEADER = re.compile(
 _NOT_HOSTS = re.compile(
     r"^(?:rank|step|epoch|iter|batch|loss)\d*$|^(?:info|warn|warning|error|debug|critical|notice)$"
     r"|^\d+(?:\.\d+)?$"  # a number (a pid, a timestamp) is not a host; an IPv4 address is
+    # a tool naming itself ("nvidia-container-cli: initialization error", "ssh-keygen: ..."):
+    # dashed words without a digit, ending as tool names do
+    r"|^[a-z]+(?:-[a-z]+)*-(?:cli|ctl|runtime|hook|toolkit|smi|keygen|keyscan|add|copy-id|get|cache"
+    r"|compose|daemon|server|client|launcher|wrapper|helper|agent)$"
 )
 
 
