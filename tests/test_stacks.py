@@ -67,6 +67,40 @@ def test_merge_groups_identical_stacks_and_singles_out_the_odd_rank() -> None:
     assert "no stack from rank 6" in text
 
 
+def _dump(*frames: tuple[str, int, str]) -> str:
+    """A faulthandler dump of one thread; frames outermost first."""
+    lines = ["Current thread 0x01 (most recent call first):"]
+    lines += [f'  File "{file}", line {line} in {func}' for file, line, func in reversed(frames)]
+    return "\n".join(lines) + "\n"
+
+
+_TORCH = "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py"
+
+
+def test_ranks_outside_any_collective_are_the_culprits_even_when_most() -> None:
+    """Rank 0 waits in all_reduce; ranks 1-2 loop waiting for a file only node 0
+    has: the many ranks outside the collective are what it waits for."""
+    in_collective = _dump(("/w/prep.py", 16, "<module>"), (_TORCH, 81, "wrapper"),
+                          ("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 2950,
+                           "all_reduce"))
+    waiting_for_file = _dump(("/w/prep.py", 14, "<module>"), ("/w/prep.py", 9, "wait_for_data"))
+    lines, odd = stack_report({0: in_collective, 1: waiting_for_file, 2: waiting_for_file}, world_size=3)
+    assert odd == {1, 2}, "\n".join(lines)
+    # every rank in a collective, but not the same one: the rank in the other one stands out
+    other = _dump(("/w/prep.py", 16, "<module>"), (_TORCH, 81, "wrapper"),
+                  ("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 3100,
+                   "all_gather_object"))
+    _, odd = stack_report({0: other, 1: in_collective, 2: in_collective}, world_size=3)
+    assert odd == {0}
+    # a rank still in backward (DDP's all-reduce) waits too
+    backward = _dump(("/w/train.py", 30, "<module>"), ("/venv/lib/python3.11/site-packages/torch/_tensor.py", 626,
+                                                       "backward"),
+                     ("/venv/lib/python3.11/site-packages/torch/autograd/graph.py", 823, "_engine_run_backward"))
+    loader = _dump(("/w/train.py", 28, "<module>"), ("/w/train.py", 12, "load_batch"))
+    _, odd = stack_report({0: backward, 1: backward, 2: loader, 3: backward}, world_size=4)
+    assert odd == {2}
+
+
 def test_fold_ranks() -> None:
     assert fold_ranks({0, 1, 2, 4, 6, 7}) == "ranks 0-2,4,6-7"
     assert fold_ranks({5}) == "rank 5"

@@ -125,13 +125,39 @@ def render(root: Node, *, missing: set[int] = frozenset()) -> list[str]:  # type
     return lines
 
 
+#: Where a rank waits for its peers: torch.distributed (collectives, the store,
+#: DDP's own syncs) and autograd's backward, in which DDP's gradient
+#: all-reduce runs.
+_WAITING_FILES = ("/torch/distributed/", "/torch/nn/parallel/distributed.py", "/torch/autograd/")
+_WAITING_FUNCS = frozenset({"_engine_run_backward", "run_backward"})
+
+
+def _waits_for_peers(node: Node) -> bool:
+    """Whether every stack under ``node`` is inside a collective (or backward)."""
+    if node.frame is not None and (any(w in node.frame.file for w in _WAITING_FILES)
+                                   or node.frame.func in _WAITING_FUNCS):
+        return True
+    return bool(node.children) and all(_waits_for_peers(k) for k in node.children.values())
+
+
 def odd_ones_out(root: Node) -> set[int]:
-    """Ranks on a branch that most ranks did not take (the likely culprits)."""
+    """Ranks on a branch the others did not take: the likely culprits.
+
+    Where some ranks wait in a collective and others are outside any (a loop
+    waiting for a file only node 0 has, a data loader), the ones outside are
+    what the others wait for, however many they are.  Otherwise (all in
+    collectives, or none) it is the ranks on a smaller branch."""
     odd: set[int] = set()
 
     def walk(node: Node) -> None:
         kids = list(node.children.values())
         if len(kids) > 1:
+            waiting = [k for k in kids if _waits_for_peers(k)]
+            if waiting and len(waiting) < len(kids):
+                for k in kids:
+                    if k not in waiting:
+                        odd.update(k.ranks)
+                return  # the ranks in collectives only wait; what is under them is no culprit
             biggest = max(kids, key=lambda n: len(n.ranks))
             for k in kids:
                 if k is not biggest and len(k.ranks) < len(biggest.ranks):

@@ -274,7 +274,9 @@ def _print_hang(con, n: int, report: RunReport) -> None:
     if odd:
         g = odd[0]
         at = g.user_frame or g.frame
-        con.print(f"   [cyan]next:[/] {escape(f'the other ranks wait for {g.label}: look at what it does at {at} (I/O, a lock, a loop, a code path only it takes).')}")
+        what = "it does" if len(g.ranks) == 1 else "they do"
+        only = "only it takes" if len(g.ranks) == 1 else "only they take"
+        con.print(f"   [cyan]next:[/] {escape(f'the other ranks wait for {g.label}: look at what {what} at {at} (I/O, a lock, a loop, a code path {only}).')}")
     elif len(hang.groups) > 1:  # split evenly (e.g. 1 and 1): none is the odd one out
         con.print("   [cyan]next:[/] the ranks are in different places and none is the odd one out: "
                   "the group outside the collective (its inner frame above) is the one to look at.")
