@@ -90,6 +90,28 @@ def test_run_refuses_a_launcher_typed_as_the_program(tmp_path: Path) -> None:
     assert _run_cli(tmp_path, "--dry-run", "--launcher", "command", "python3", "x.py").exit_code == 0
 
 
+def test_run_refuses_launcher_args_corral_sets_itself(tmp_path: Path) -> None:
+    """--standalone on a multi-node cluster waited 10 minutes for nodes that never came."""
+    for launcher, arg, says in (("torchrun", "--standalone", "static rendezvous"),
+                                ("torchrun", "--rdzv-backend=c10d", "static rendezvous"),
+                                ("torchrun", "--nnodes=2", "cluster's hosts"),
+                                ("torchrun", "--max_restarts=3", "--max-restarts N"),
+                                ("accelerate", "--num-processes=3", "--nproc-per-node"),
+                                ("deepspeed", "--master_port=1234", "--master-port")):
+        res = _run_cli(tmp_path, "--dry-run", "--launcher", launcher, f"--launcher-arg={arg}", "t.py")
+        assert res.exit_code == 2, res.output
+        assert f"--launcher-arg {arg} conflicts" in res.output and says in res.output, res.output
+    ok = _run_cli(tmp_path, "--dry-run", "--launcher-arg=--log-dir=/tmp/x", "t.py")
+    assert ok.exit_code == 0, ok.output
+
+
+def test_run_checks_env_flags_before_syncing(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("CORRAL_TEST_UNSET", raising=False)
+    res = _run_cli(tmp_path, "--sync", "-e", "CORRAL_TEST_UNSET", "t.py")
+    assert res.exit_code == 2 and "CORRAL_TEST_UNSET is not set" in res.output
+    assert "sync" not in res.output.split("error")[0], res.output
+
+
 def test_run_refuses_bad_workdir_ranks_and_directory_cluster(tmp_path: Path) -> None:
     res = _run_cli(tmp_path, "--workdir", "data", "t.py")
     assert res.exit_code == 2 and "is relative" in res.output and str(tmp_path / "data") in res.output

@@ -17,7 +17,7 @@ from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
 from corral.console import RunConsole, parse_ranks
 from corral.errors import UsageError
-from corral.launchers import PLANNERS
+from corral.launchers import PLANNERS, refuse_owned_options
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
@@ -117,6 +117,8 @@ def run(
         raise UsageError(
             f"--workdir {workdir!r} is relative: on a node it would be taken from the ssh login directory",
             hint=f"give an absolute path, e.g. --workdir {Path(workdir).absolute()}")
+    refuse_owned_options(launcher, tuple(launcher_args))
+    env = parse_env_flags(env_flags, os.environ)  # an unset --env NAME before any connection
     cluster = cluster_opts.load()
     if sync_first:
         from corral.cli.sync import sync_cluster
@@ -127,7 +129,7 @@ def run(
                      cwd=Path.cwd(), brief=True)
     spec = RunSpec(
         program=program, args=tuple(args), module=module, launcher=launcher,
-        nproc_per_node=nproc_per_node, env=parse_env_flags(env_flags, os.environ),
+        nproc_per_node=nproc_per_node, env=env,
         workdir=workdir, master_port=master_port, launcher_args=launcher_args,
         preload=not fresh_ranks,
     )
