@@ -91,7 +91,8 @@ class PreflightError(CorralError):
 
     def __init__(self, problems: list[HostError], *, what: str = "preflight"):
         self.problems = problems
-        lines = [f"{what} failed on {len(problems)} host(s):"]
+        hosts = len(dict.fromkeys(p.host for p in problems))  # a host may have several problems
+        lines = [f"{what} failed on {hosts} host(s):"]
         # The same problem on many hosts is said once, for the folded host set
         # (`g[1-3]: train.py not found in /proj`), not once per host.
         groups: dict[tuple[str, str | None], list[str]] = {}
