@@ -428,12 +428,13 @@ def test_max_restarts_reruns_the_job(tmp_path: Path) -> None:
         n = len(open({str(marker)!r}).read())
         if n < 2 and dist.get_rank() == 1:
             sys.exit(5)
-        print("attempt", n, "ok")
+        print("attempt", n, "ok", "CORRAL_ATTEMPT", os.environ["CORRAL_ATTEMPT"], "of", os.environ["CORRAL_MAX_RESTARTS"])
         dist.barrier()
     """)
     res = corral(["run", "--max-restarts", "2", "flaky.py"], tmp_path)
     assert res.returncode == 0, res.stderr
     assert marker.read_text() == "xx"
+    assert "attempt 2 ok CORRAL_ATTEMPT 2 of 2" in res.stdout  # the script can tell it is resuming
     assert "restarting the job" in res.stdout
     # the success does not hide the failure it recovered from
     assert "succeeded" in res.stderr and "after 1 restart(s) (attempt 1: rank 1 on " in res.stderr

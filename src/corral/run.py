@@ -339,9 +339,11 @@ class Runner:
         hook = hook_source()
 
         async def one(node) -> None:
+            # which run of the job this is: a script resumes from its checkpoint after a restart
+            env = dict(node.env, CORRAL_ATTEMPT=str(number), CORRAL_MAX_RESTARTS=str(self.options.max_restarts))
             spec = {
                 "argv": list(node.argv),
-                "env": dict(node.env),
+                "env": env,
                 "cwd": node.cwd,
                 "pipe_rank": node.pipe_rank,
                 "hook_source": hook,
