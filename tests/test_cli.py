@@ -122,3 +122,16 @@ def test_run_refuses_bad_workdir_ranks_and_directory_cluster(tmp_path: Path) -> 
     res = _run_cli(tmp_path, "-c", str(tmp_path / "cl"), "t.py")
     assert res.exit_code == 2 and "is a directory" in res.output
     assert f"-c {tmp_path / 'cl' / 'hostfile'}" in res.output
+
+
+def test_an_error_under_json_is_json_on_stdout_too(tmp_path: Path) -> None:
+    """`corral ... --json | jq` gets the reason, not a parse error on empty input."""
+    res = CliRunner().invoke(cli, ["stacks", "--json", "--runs-dir", str(tmp_path / "runs")])
+    assert res.exit_code == 2
+    err = json.loads(res.stdout)["error"]
+    assert "no running run" in err["message"] and err["exit_code"] == 2 and err["hint"]
+    res = _run_cli(tmp_path, "--json", "--launcher-arg=--standalone", "t.py")
+    assert json.loads(res.stdout)["error"]["category"] == "user"
+    # without --json, stdout stays empty
+    res = CliRunner().invoke(cli, ["stacks", "--runs-dir", str(tmp_path / "runs")])
+    assert res.exit_code == 2 and not res.stdout.strip()

@@ -45,7 +45,9 @@ class LazyGroup(click.Group):
             return None
         module_name, attr, _ = spec
         module = importlib.import_module(module_name)
-        return getattr(module, attr)
+        command = getattr(module, attr)
+        _note_json_flag(command)
+        return command
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         """Report CorralError in one place, for CliRunner and the console script alike."""
@@ -55,6 +57,8 @@ class LazyGroup(click.Group):
             if (ctx.obj or {}).get("debug"):
                 raise
             _report(err)
+            if ctx.meta.get(_JSON_META):
+                _report_json(err)
             ctx.exit(err.exit_code)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -81,6 +85,43 @@ def cli(ctx: click.Context, debug: bool) -> None:
         level=logging.DEBUG if debug else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+
+
+_JSON_META = "corral.json"
+
+
+def _note_json_flag(command: click.Command) -> None:
+    """Have ``--json`` leave a mark in the context's meta (shared by the
+    whole context chain), so an error can be reported as JSON on stdout too:
+    a script piping ``corral ... --json`` into jq gets the reason, not a
+    parse error on empty input."""
+    for param in command.params:
+        if param.name == "as_json" and not getattr(param, "_corral_noted", False):
+            chained = param.callback
+
+            def note(ctx: click.Context, p: click.Parameter, value, chained=chained):
+                if value:
+                    ctx.meta[_JSON_META] = True
+                return chained(ctx, p, value) if chained else value
+
+            param.callback = note
+            param._corral_noted = True  # type: ignore[attr-defined]
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _note_json_flag(sub)
+
+
+def _report_json(err: CorralError) -> None:
+    import json
+
+    out: dict = {"message": err.message, "hint": err.hint, "category": err.category, "exit_code": err.exit_code}
+    problems = getattr(err, "problems", None)
+    if problems:  # a preflight's per-host problems
+        out["problems"] = [{"host": p.host, "message": p.message, "hint": p.hint, "kind": p.kind} for p in problems]
+    host = getattr(err, "host", None)
+    if host:
+        out["host"] = host
+    click.echo(json.dumps({"error": out}, indent=2))
 
 
 def _report(err: CorralError) -> None:
