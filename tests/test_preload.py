@@ -266,6 +266,19 @@ def test_script_that_sets_threads_before_torch_gets_fresh_ranks(tmp_path: Path) 
     assert res.stdout.count("preloaded False") == 2
 
 
+def test_a_start_up_variable_in_the_jobs_env_says_why_ranks_are_fresh(tmp_path: Path) -> None:
+    """PYTHONHASHSEED is read when the interpreter starts: the prewarmed one
+    cannot be used, and the node says so, as it does for TORCH_LOGS."""
+    write(tmp_path / "seed.py", """
+        import os, sys
+        print("preloaded", "torch" in sys.modules, "seed", os.environ["PYTHONHASHSEED"], hash("abc") == hash("abc"))
+    """)
+    res = corral(["run", "-n", "1", "-e", "PYTHONHASHSEED=1", "seed.py"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "starting ranks as fresh interpreters: PYTHONHASHSEED differs from the preloaded interpreter's" in res.stdout
+    assert "preloaded False seed 1" in res.stdout
+
+
 def test_module_ranks_are_preloaded_too(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"
     pkg.mkdir()

@@ -209,6 +209,8 @@ class Agent:
         self.pipe_relays: list = []
         self.prewarmed = None
         self.prewarmed_argv: list = []
+        #: Why the prewarmed launcher was not used for preloaded ranks (said once).
+        self.fresh_note = None
         self.workdir_tmp = None
         self.tmp_root = None
         self.keep_tmp = False
@@ -295,6 +297,9 @@ class Agent:
         for pipe, stream in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
             relay = Relay(self.chan, pipe_rank, stream)
             self.pipe_relays.append(relay)
+            if stream == "err" and self.fresh_note:
+                relay.feed(("corral: starting ranks as fresh interpreters: %s\n" % self.fresh_note).encode())
+                self.fresh_note = None
             t = threading.Thread(target=pump_pipe, args=(pipe, relay), daemon=True)
             t.start()
             self.pumps.append(t)
@@ -343,12 +348,14 @@ class Agent:
         if proc is None:
             return None
         argv = list(spec["argv"])
-        if (argv[:3] != self.prewarmed_argv or proc.poll() is not None
-                or env_mismatch(dict(os.environ), env, hook_dir, skip=PREWARM_FIXED,
-                                prefixes=PREWARM_SENSITIVE)):
+        differs = env_mismatch(dict(os.environ), env, hook_dir, skip=PREWARM_FIXED, prefixes=PREWARM_SENSITIVE)
+        if argv[:3] != self.prewarmed_argv or proc.poll() is not None or differs:
             if proc.poll() is None:  # prepared for another command: not needed
                 proc.kill()
                 proc.wait()
+            if differs and spec.get("preload") and argv[:3] == self.prewarmed_argv:
+                # as the zygote says it when it declines (preload.py), so the user knows why
+                self.fresh_note = "%s differs from the preloaded interpreter's" % differs
             return None
         job = {"args": argv[3:], "cwd": spec.get("cwd") or os.getcwd(), "env": env,
                "preload": bool(spec.get("preload"))}
