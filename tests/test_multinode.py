@@ -423,7 +423,9 @@ def test_edited_script_on_some_nodes_is_named(sandbox, workdir: Path) -> None:
     try:
         res = corral(sandbox, ["--workdir", proj, "--launcher", "command", "train.py"], workdir, timeout=60)
         assert res.returncode == 0, res.stderr[-3000:]  # a warning, not a failure
-        assert f"train.py on {', '.join(stale)} is not the same as here" in res.stderr, res.stderr
+        from corral.hostrange import fold
+
+        assert f"train.py on {fold(stale)} is not the same as here" in res.stderr, res.stderr  # node[2-3]
         assert "corral sync" in res.stderr
         assert res.stdout.count("old copy") == 2 and res.stdout.count("new copy") == 2
         # The script in the shared directory is the same file on every node: no warning.

@@ -50,7 +50,9 @@ def local_digest(path: str) -> list | None:
 
 
 def stale_script_warning(program: str, nodes: list[str]) -> str:
-    return (f"{program} on {', '.join(nodes)} is not the same as here (edited since the last sync?): "
+    from corral.hostrange import fold
+
+    return (f"{program} on {fold(nodes) if len(nodes) > 1 else nodes[0]} is not the same as here (edited since the last sync?): "
             f"{'that node runs its' if len(nodes) == 1 else 'those nodes run their'} copy, not this one; "
             "`corral run --sync ...` (or `corral sync`) copies the project first")
 

@@ -103,7 +103,8 @@ def run(
     corral's options go before PROGRAM; everything after it is passed to the
     script unchanged.  Every line is prefixed with its rank; full per-rank
     logs go to runs/<run-id>/<host>/rank<N>.log.  The exit code is the
-    workload's (130 after Ctrl-C, 3 when a node is lost).
+    workload's (130 after Ctrl-C, 124 after --hang-timeout); 3 when a node is
+    unreachable, fails its checks before launch or is lost; 2 for bad input.
     """
     if program.startswith("-"):
         _refuse_unknown_option(program)
