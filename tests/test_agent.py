@@ -280,6 +280,39 @@ def test_job_temp_dir_and_its_parent_are_removed_at_the_end(tmp_path, monkeypatc
     assert [p.name for p in root.iterdir()] == ["other-job"]
 
 
+def test_the_last_of_two_overlapping_jobs_removes_the_tmp_root(tmp_path, monkeypatch) -> None:
+    """Job 1 makes ``corral-<uid>`` and ends first (job 2's directory is still
+    in it); job 2, which found it there, removes it when it ends."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    root = tmp_path / f"corral-{os.getuid()}"
+    events: list[dict] = []
+
+    async def job(tag: str, seconds: float) -> None:
+        pool = AgentPool(_local(), tag=tag, on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            await pool.sessions[0].send(op="start", spec={
+                "argv": [sys.executable, "-c", f"import time; time.sleep({seconds})"], "env": {},
+                "cwd": str(tmp_path), "hook_source": "", "tag": tag})
+            for _ in range(int((seconds + 10) / 0.05)):
+                if not (root / tag).exists() and any(e.get("ev") == "exit" for e in events):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await pool.close()
+
+    async def both() -> None:
+        first = asyncio.create_task(job("j1-1", 1.0))
+        for _ in range(200):
+            if (root / "j1-1").exists():
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.gather(first, job("j2-1", 2.5))
+
+    asyncio.run(both())
+    assert not root.exists(), list(root.iterdir())
+
+
 def test_piece_cuts_never_split_a_character_and_survive_invalid_bytes() -> None:
     from corral.agent.relay import MAX_PARTIAL
 

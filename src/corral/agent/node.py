@@ -442,7 +442,7 @@ class Agent:
 
         Everything the job leaves on the node goes there (rank files, the
         rank hook, torchrun's log directory) and it is removed when the job
-        ends.  ``corral-<uid>`` is removed too when this job created it and
+        ends.  ``corral-<uid>`` is removed too when the last job in it ends and
         nothing else is in it (another job's directory, the head's control
         sockets on the head's own machine).
         """
@@ -452,10 +452,10 @@ class Agent:
             root = os.path.join(tempfile.gettempdir(), "corral-%d" % os.getuid())
             tmp = os.path.join(root, spec.get("tag", "run"))
             self.workdir_tmp = tmp
+            self.tmp_root = root
             for _ in range(3):  # another job may remove an empty root between our mkdirs
                 try:
                     os.mkdir(root, 0o700)
-                    self.tmp_root = root
                 except FileExistsError:
                     pass
                 try:
@@ -479,7 +479,9 @@ class Agent:
             shutil.rmtree(self.workdir_tmp, ignore_errors=True)
             if self.tmp_root:
                 try:
-                    os.rmdir(self.tmp_root)  # only when empty: never another job's files
+                    # only when empty: never another job's files.  Whichever job
+                    # ends last removes it, not only the one that made it.
+                    os.rmdir(self.tmp_root)
                 except OSError:
                     pass
         self.workdir_tmp = None
