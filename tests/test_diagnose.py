@@ -995,3 +995,84 @@ def test_no_target_diagnoses_the_newest_run_that_did_not_succeed(tmp_path, monke
     result = _invoke()
     assert result.exit_code == 0, result.output
     assert "rank 3 on h1n2 failed first: KeyError: 'batch_size'" in result.output
+
+
+# ------------------------------------------------- third sandbox gauntlet (torch 2.13, 3 nodes)
+
+
+def test_store_wait_timeout_of_torch_2_13_names_the_missing_rank():
+    top = diagnose_path(FIXTURES / "store-waiting-for-clients.3.log")[0]
+    assert (top.rule_id, top.captures["missing_rank"]) == ("store-waiting-for-clients", "2")
+    assert top.fix[0].startswith("The store key names rank 2")
+    # a key without gloo's rank suffix (NCCL's unique id) is still a store wait timeout, naming no rank
+    (d,) = diagnose_text("torch.distributed.DistStoreError: wait timeout after 1800000ms, keys: /default_pg//cuda//0")
+    assert d.rule_id == "store-waiting-for-clients" and "missing_rank" not in d.captures
+
+
+def test_file_store_timeout_is_not_a_tcp_store_timeout():
+    assert diagnose_path(FIXTURES / "file-store-not-shared.log")[0].rule_id == "file-store-not-shared"
+    assert "file-store-not-shared" not in {d.rule_id for d in diagnose_path(FIXTURES / "store-waiting-for-clients.3.log")}
+    assert diagnose_text("RuntimeError: Wait timeout while reading the queue") == []
+
+
+def test_cpu_only_torch_build():
+    for name in ("torch-cpu-only-build.log", "torch-cpu-only-build.2.log"):
+        top = diagnose_path(FIXTURES / name)[0]
+        assert top.rule_id == "torch-cpu-only-build"
+        assert any("gloo" in step for step in top.fix)
+
+
+# A real 3-node run: rank 0 torch.save("checkpoints/init.pt"), barrier, every rank loads it; disks are node-private.
+NODE_LOCAL_FILE_RUN = FIXTURES / "run-node-local-file"
+# A real 3-node run of the DDP tutorial's setup(): MASTER_ADDR='localhost', MASTER_PORT='12355'.
+OWN_MASTER_ADDR_RUN = FIXTURES / "run-own-master-addr"
+
+
+def test_file_missing_on_other_nodes_only_is_a_node_local_disk():
+    report = diagnose_run(NODE_LOCAL_FILE_RUN)
+    top = report.diagnoses[0]
+    assert top.rule_id == "file-on-some-nodes-only" and not top.consequence
+    assert top.title == "'checkpoints/init.pt' is missing on g2, g3 but not on g1: the nodes do not share that directory"
+    assert (top.hosts, top.ranks) == (("g2", "g3"), (1, 2))
+    assert any("dist.broadcast_object_list" in step for step in top.fix)
+    assert any("corral sync" in step for step in top.fix)
+    assert report.first_error.explained_by[0] == "file-on-some-nodes-only"
+
+
+def test_file_missing_everywhere_is_not_blamed_on_the_disks(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(NODE_LOCAL_FILE_RUN, run)
+    (run / "g1" / "rank0.log").write_text((run / "g2" / "rank1.log").read_text().replace("[rank1]", "[rank0]"))
+    assert "file-on-some-nodes-only" not in {d.rule_id for d in diagnose_run(run).diagnoses}
+    # a single log cannot tell: no node comparison
+    assert diagnose_path(run / "g2" / "rank1.log") == []
+
+
+def test_loopback_store_in_a_multi_node_run_is_the_script_overriding_master_addr(tmp_path):
+    top = diagnose_run(OWN_MASTER_ADDR_RUN).diagnoses[0]
+    assert top.rule_id == "store-unreachable"
+    assert top.title.startswith("The script sets its own MASTER_ADDR/MASTER_PORT (localhost:12355)")
+    assert "10.202.60.11:47303" in top.fix[0] and "Remove those lines" in top.fix[0]
+    # the same log on its own keeps the generic diagnosis
+    (one,) = diagnose_path(OWN_MASTER_ADDR_RUN / "g2" / "rank1.log")
+    assert one.title == "Cannot connect to the rendezvous store (MASTER_ADDR:MASTER_PORT)"
+    # a run whose own store is on loopback (one node) is not told that
+    run = tmp_path / "run"
+    shutil.copytree(OWN_MASTER_ADDR_RUN, run)
+    record = json.loads((run / "run.json").read_text())
+    record["master_addr"] = "127.0.0.1"
+    (run / "run.json").write_text(json.dumps(record))
+    assert diagnose_run(run).diagnoses[0].title == "Cannot connect to the rendezvous store (MASTER_ADDR:MASTER_PORT)"
+
+
+def test_cli_single_log_with_a_plain_exception_names_it_not_nccl_debug():
+    result = _invoke(str(NODE_LOCAL_FILE_RUN / "g2" / "rank1.log"))
+    assert result.exit_code == 1, result.output
+    out = " ".join(result.output.split())
+    assert "The log ends with a Python exception: FileNotFoundError: [Errno 2] No such file or directory: " \
+           "'checkpoints/init.pt' (sharedfs.py:9)" in out
+    assert "NCCL_DEBUG" not in out and "corral diagnose <run-dir>" in out
+    data = json.loads(_invoke(str(NODE_LOCAL_FILE_RUN / "g2" / "rank1.log"), "--json").output)
+    assert data["exception"]["where"] == "sharedfs.py:9"
+    # a log with no exception keeps the general hint
+    assert "NCCL_DEBUG=WARN" in _invoke(str(FIXTURES / "negative-clean-run.log")).output

@@ -19,6 +19,7 @@ from corral.diagnose import (
     load_rules,
 )
 from corral.diagnose.logtext import sniff_encoding
+from corral.diagnose.pyexc import basename
 from corral.diagnose.rundir import resolve_target
 from corral.errors import UsageError
 from corral.logs import default_runs_dir
@@ -117,6 +118,12 @@ def _as_json(report: RunReport) -> dict:
         "found": report.found,
         "first_error": None if report.first_error is None else report.first_error.to_dict(),
         "hang": None if report.hang is None else report.hang.to_dict(),
+        "exception": None if report.exception is None else {
+            "exception": report.exception.text, "type": report.exception.type,
+            "message": report.exception.message, "line": report.exception.line,
+            "where": None if report.exception.user_frame is None else
+            f"{basename(report.exception.user_frame.file)}:{report.exception.user_frame.line}",
+        },
         "diagnoses": [d.to_dict() for d in report.diagnoses],
     }
 
@@ -166,6 +173,8 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
     if not report.found:
         if report.status == "succeeded":
             con.print("\n[green]run.json records that this run succeeded: nothing to diagnose.[/]")
+        elif report.exception is not None:
+            _print_exception(con, report.exception)
         else:
             con.print(f"\n[yellow]{escape(_NOTHING)}[/]")
         return
@@ -199,6 +208,22 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
     hidden = len(report.diagnoses) - len(shown)
     if hidden:
         con.print(f"\n[dim]{hidden} less likely cause(s) not shown: rerun with --all.[/]")
+
+
+def _print_exception(con, exc) -> None:
+    """A single log that ends with a Python exception no rule knows: name it
+    instead of suggesting NCCL debug settings that would not change it."""
+    frame = exc.user_frame
+    where = f" ({basename(frame.file)}:{frame.line})" if frame else ""
+    text = exc.text if len(exc.text) <= _SHOWN_LINE else exc.text[:_SHOWN_LINE] + " ..."
+    con.print(f"\n[bold]The log ends with a Python exception: {escape(text + where)}[/]")
+    con.print(f"   [cyan]log:[/] line {exc.line}")
+    con.print("   [cyan]traceback:[/]" + (" [dim](end)[/]" if len(exc.shown) > 6 else ""))
+    for line in exc.shown[-6:]:
+        shown = line if len(line) <= _SHOWN_LINE else line[:_SHOWN_LINE] + " ..."
+        con.print(f"     {escape(shown)}")
+    at = f" at {basename(frame.file)}:{frame.line}" if frame else ""
+    con.print(f"   [dim]{escape(f'No known failure signature matches it: the program raised it{at}; the traceback shows why. If this is one rank of a multi-node run, `corral diagnose <run-dir>` compares it with the other ranks and nodes (a file missing on some nodes only, say).')}[/]")
 
 
 def _print_first_error(con, n: int, report: RunReport) -> None:
