@@ -118,6 +118,32 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
     return results
 
 
+#: File systems that live on one machine: what one node writes there, no other node sees.
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "jfs", "reiserfs", "tmpfs",
+                               "overlay", "vfat", "exfat", "ntfs", "ntfs3", "ramfs"})
+
+
+def local_disk_warning(results: Mapping[str, dict]) -> str | None:
+    """For ``--max-restarts`` on several nodes: a work dir on each node's own
+    disk means a checkpoint written under it by one node (rank 0, as usual)
+    is not there for the others when the job restarts; they start over while
+    it resumes.  Said only when every node's file system is a local one."""
+    kinds = {name: (r.get("workdir") or {}).get("fstype") for name, r in results.items()}
+    if len(kinds) < 2 or not all(k in LOCAL_FILESYSTEMS for k in kinds.values()):
+        return None
+    same = {tuple((r.get("workdir") or {}).get("identity") or (name,)) for name, r in results.items()}
+    if len(same) < 2:
+        return None  # one directory seen by every node (hosts on one machine sharing it)
+    from corral.hostrange import fold
+
+    path = next(iter(results.values())).get("workdir", {}).get("path")
+    types = ", ".join(sorted(set(kinds.values())))  # type: ignore[arg-type]
+    return (f"--max-restarts: the work dir {path} is on each node's own disk ({types} on "
+            f"{fold(list(kinds))}), not shared: a checkpoint one node writes there is not seen by the "
+            "others, so after a restart they start over while it resumes. Write checkpoints to shared "
+            "storage (an absolute path), or on every node")
+
+
 def _head_view(host: Host) -> set[str]:
     """Addresses the head itself resolves ``host`` to (its likely cluster IP)."""
     out = set()

@@ -41,7 +41,7 @@ from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, UsageError
 from corral.logs import RunLogs
 from corral.model import Cluster
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan
-from corral.preflight import choose_master, preflight
+from corral.preflight import choose_master, local_disk_warning, preflight
 from corral.stacks import fold_ranks, rendezvous_note, stack_report
 from corral.watch import Failure, JobWatch, Sink
 
@@ -168,6 +168,8 @@ class Runner:
         self.logs: RunLogs | None = None
         self.attempt: _Attempt | None = None
         self.interrupts = 0
+        #: Whether the work dir's file system was looked at for --max-restarts.
+        self._disk_checked = False
         #: Attempts that failed and were restarted (--max-restarts): what failed.
         self.restarts: list[dict] = []
         #: What stopped the head: SIGINT (Ctrl-C) is passed on to the ranks as
@@ -290,6 +292,11 @@ class Runner:
                 await asyncio.gather(*(s.send(op="prewarm", python=s.host.python, module=module, elastic=True,
                                               preload_modules=preload) for s in pool.sessions))
             probes = await preflight(pool, self.cluster, self.spec, self.head_cwd, warn=ui.notice)
+            if self.options.max_restarts and not self._disk_checked:
+                self._disk_checked = True
+                note = local_disk_warning(probes)
+                if note:
+                    ui.notice(note)
             port = self.spec.master_port or probes[pool.sessions[0].name].get("port")
             master = await choose_master(pool, probes, int(port))
             facts = {

@@ -129,6 +129,40 @@ def accelerate_default_mode():
     return accelerate_config_mode(os.path.join(home, "accelerate", "default_config.yaml"))
 
 
+def fstype(path, mountinfo="/proc/self/mountinfo"):
+    """The type of the file system ``path`` is on (``ext4``, ``nfs4``,
+    ``lustre``...), from the longest mount point above it; None if unknown."""
+    try:
+        real = os.path.realpath(path)
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right.split():
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, right.split()[0]
+    return kind
+
+
+def dir_identity(path):
+    """[kernel boot id, st_dev, st_ino]: two nodes with the same one see the
+    very same directory (containers on one machine sharing a volume)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [boot, st.st_dev, st.st_ino]
+
+
 def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(), compare=None,
               accelerate=False) -> dict:
     """Everything the head needs to plan a launch, in one round trip.
@@ -153,7 +187,9 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
     base = None
     if workdir:
         exists = os.path.isdir(workdir)
-        result["workdir"] = {"path": workdir, "exists": exists, "writable": exists and os.access(workdir, os.W_OK)}
+        result["workdir"] = {"path": workdir, "exists": exists, "writable": exists and os.access(workdir, os.W_OK),
+                             "fstype": fstype(workdir) if exists else None,
+                             "identity": dir_identity(workdir) if exists else None}
         base = workdir if exists else None
     for p in paths:
         full = p if os.path.isabs(p) or base is None else os.path.join(base, p)

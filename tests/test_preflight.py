@@ -1,0 +1,43 @@
+"""Preflight's pure parts: what the work dir's file system says about restarts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from corral.agent.probes import dir_identity, fstype
+from corral.preflight import local_disk_warning
+
+MOUNTINFO = """\
+22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw
+40 22 0:45 / /shared rw,relatime shared:20 - nfs4 filer:/export rw
+41 40 0:46 / /shared/scratch rw shared:21 - lustre 10.0.0.1@o2ib:/fs rw
+42 22 0:47 / /my\\040data rw shared:22 - xfs /dev/sdb1 rw
+"""
+
+
+def test_fstype_is_the_longest_mount_point_above_the_path(tmp_path: Path) -> None:
+    info = tmp_path / "mountinfo"
+    info.write_text(MOUNTINFO)
+    assert fstype("/home/me/proj", str(info)) == "ext4"
+    assert fstype("/shared/proj", str(info)) == "nfs4"
+    assert fstype("/shared/scratch/run", str(info)) == "lustre"
+    assert fstype("/sharedx", str(info)) == "ext4"  # a prefix of the name is not a parent
+    assert fstype("/my data/x", str(info)) == "xfs"
+    assert fstype("/x", str(tmp_path / "none")) is None
+    assert fstype(str(tmp_path)) is not None  # this machine's own table
+    assert dir_identity(str(tmp_path)) == dir_identity(str(tmp_path)) != dir_identity("/")
+
+
+def _probe(fs: str | None, ident: list | None) -> dict:
+    return {"workdir": {"path": "/proj", "exists": True, "fstype": fs, "identity": ident}}
+
+
+def test_restarts_on_node_private_disks_are_warned_about() -> None:
+    note = local_disk_warning({"n1": _probe("ext4", ["a", 1, 2]), "n2": _probe("xfs", ["b", 1, 2])})
+    assert note and "/proj is on each node's own disk (ext4, xfs on n[1-2])" in note
+    # shared storage, one node, an unknown file system: nothing to say
+    assert local_disk_warning({"n1": _probe("nfs4", ["a", 1, 2]), "n2": _probe("nfs4", ["b", 1, 2])}) is None
+    assert local_disk_warning({"n1": _probe("ext4", ["a", 1, 2])}) is None
+    assert local_disk_warning({"n1": _probe("ext4", ["a", 1, 2]), "n2": _probe(None, None)}) is None
+    # containers on one machine sharing a volume see the very same directory
+    assert local_disk_warning({"n1": _probe("ext4", ["a", 1, 2]), "n2": _probe("ext4", ["a", 1, 2])}) is None
