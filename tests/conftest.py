@@ -16,6 +16,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
 _STRIP_PREFIXES = (
     "MASTER_",
     "NCCL_",

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from conftest import pid_alive
 
 from corral.agent.relay import LineSplitter
 from corral.agent.session import AgentPool
@@ -54,6 +55,19 @@ def _local() -> Cluster:
     return Cluster(hosts=(Host(name="me", local=True, python=sys.executable),))
 
 
+async def start(session, argv: list[str], cwd, tag: str = "t-0") -> None:
+    """Start a job (no rank hook, no extra environment) on the agent."""
+    await session.send(op="start", spec={"argv": argv, "env": {}, "cwd": str(cwd), "hook_source": "", "tag": tag})
+
+
+async def wait_for_file(path, timeout: float = 10.0) -> None:
+    """Wait until the job has written ``path`` (its pid)."""
+    for _ in range(int(timeout / 0.05)):
+        if path.exists() and path.read_text():
+            return
+        await asyncio.sleep(0.05)
+
+
 def test_agent_calls_and_stops_its_whole_tree(tmp_path) -> None:
     """stop kills a grandchild that setsid()s and ignores SIGTERM; nothing else."""
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -71,12 +85,8 @@ def test_agent_calls_and_stops_its_whole_tree(tmp_path) -> None:
                     "p=subprocess.Popen([sys.executable,'-c','import os,signal,time;os.setsid();"
                     "signal.signal(signal.SIGTERM,signal.SIG_IGN);time.sleep(60)'])\n"
                     f"open({str(pidfile)!r},'w').write(str(p.pid))\ntime.sleep(60)\n")
-            await s.send(op="start", spec={"argv": [sys.executable, "-c", code], "env": {}, "cwd": str(tmp_path),
-                                           "hook_source": "", "tag": "t-0"})
-            for _ in range(100):
-                if pidfile.exists() and pidfile.read_text():
-                    break
-                await asyncio.sleep(0.05)
+            await start(s, [sys.executable, "-c", code], tmp_path)
+            await wait_for_file(pidfile, 5.0)
             await s.send(op="stop", grace=0.5)
             await until_exit(events, 5.0)
         finally:
@@ -108,12 +118,8 @@ def test_repeated_sigterm_still_stops_the_job(tmp_path) -> None:
         await pool.open()
         try:
             s = pool.sessions[0]
-            await s.send(op="start", spec={"argv": [sys.executable, "-c", code], "env": {}, "cwd": str(tmp_path),
-                                           "hook_source": "", "tag": "t-0"})
-            for _ in range(200):
-                if pidfile.exists() and pidfile.read_text():
-                    break
-                await asyncio.sleep(0.05)
+            await start(s, [sys.executable, "-c", code], tmp_path)
+            await wait_for_file(pidfile)
             agent = int(s.hello["pid"])
             for _ in range(100):  # a burst, as a dying multi-threaded parent sends them
                 try:
@@ -160,12 +166,8 @@ def test_a_launcher_does_not_outlive_an_agent_killed_with_sigkill(tmp_path, monk
                 await s.send(op="prewarm", python=sys.executable, module="launcher_mod")
                 argv = [sys.executable, "-m", "launcher_mod"]
                 await asyncio.sleep(0.5)
-            await s.send(op="start", spec={"argv": argv, "env": {}, "cwd": str(tmp_path),
-                                           "hook_source": "", "tag": "t-0"})
-            for _ in range(200):
-                if pidfile.exists() and pidfile.read_text():
-                    break
-                await asyncio.sleep(0.05)
+            await start(s, argv, tmp_path)
+            await wait_for_file(pidfile)
             agent = int(s.hello["pid"])
             if prewarmed:  # it was the prewarmed process that ran the job
                 assert open(f"/proc/{int(pidfile.read_text())}/cmdline").read().split("\0")[1] == "-c"
@@ -183,14 +185,6 @@ def test_a_launcher_does_not_outlive_an_agent_killed_with_sigkill(tmp_path, monk
     finally:
         if pid_alive(job):
             os.kill(job, signal.SIGKILL)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # ---------------------------------------------------------------------------
@@ -253,7 +247,7 @@ def test_configured_python_is_first_on_path() -> None:
 
 
 def test_job_temp_dir_and_its_parent_are_removed_at_the_end(tmp_path, monkeypatch) -> None:
-    """The agent's own tmp root goes too when the job created it; another job's never."""
+    """The agent's own tmp root goes too when nothing else is in it; another job's files never."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     root = tmp_path / f"corral-{os.getuid()}"
     events: list[dict] = []
@@ -262,9 +256,7 @@ def test_job_temp_dir_and_its_parent_are_removed_at_the_end(tmp_path, monkeypatc
         pool = AgentPool(_local(), tag=tag, on_event=lambda s, e: events.append(e))
         await pool.open()
         try:
-            await pool.sessions[0].send(op="start", spec={
-                "argv": [sys.executable, "-c", code], "env": {}, "cwd": str(tmp_path),
-                "hook_source": "", "tag": tag})
+            await start(pool.sessions[0], [sys.executable, "-c", code], tmp_path, tag)
             await until_exit(events, 10.0)
         finally:
             await pool.close()
@@ -291,9 +283,8 @@ def test_the_last_of_two_overlapping_jobs_removes_the_tmp_root(tmp_path, monkeyp
         pool = AgentPool(_local(), tag=tag, on_event=lambda s, e: events.append(e))
         await pool.open()
         try:
-            await pool.sessions[0].send(op="start", spec={
-                "argv": [sys.executable, "-c", f"import time; time.sleep({seconds})"], "env": {},
-                "cwd": str(tmp_path), "hook_source": "", "tag": tag})
+            await start(pool.sessions[0], [sys.executable, "-c", f"import time; time.sleep({seconds})"],
+                        tmp_path, tag)
             for _ in range(int((seconds + 10) / 0.05)):
                 if not (root / tag).exists() and any(e.get("ev") == "exit" for e in events):
                     break

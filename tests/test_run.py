@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import pid_alive
 
 CORRAL = [sys.executable, "-m", "corral"]
 
@@ -28,14 +29,6 @@ def corral(args: list[str], cwd: Path, timeout: float = 120, **kw) -> subprocess
 def write(path: Path, body: str) -> Path:
     path.write_text(textwrap.dedent(body))
     return path
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for_lines(proc: subprocess.Popen, marker: str, count: int) -> None:
