@@ -43,6 +43,7 @@ try:  # on a node, modules are installed under their wire names
         become_subreaper,
         kill_tree,
         leftovers,
+        libc_prctl,
         reap_orphans,
         wait_gone,
     )
@@ -54,6 +55,7 @@ except ImportError:  # imported as part of the corral package (tests, head)
         become_subreaper,
         kill_tree,
         leftovers,
+        libc_prctl,
         reap_orphans,
         wait_gone,
     )
@@ -150,7 +152,9 @@ def _die_with_agent() -> None:  # pragma: no cover - runs between fork and exec
         raise OSError("the agent exited while starting the job")
 
 
+#: libc's prctl, resolved in ``main`` (see ``libc_prctl``).
 _PRCTL = None
+#: This agent (the module is run once per agent process).
 _AGENT_PID = os.getpid()
 
 
@@ -621,15 +625,9 @@ def main(reader=None) -> int:
     os.dup2(devnull, 2)
     os.close(devnull)
     chan = Channel(proto_fd)
-    subreaper = become_subreaper()
-    global _PRCTL, _AGENT_PID
-    _AGENT_PID = os.getpid()
-    try:  # resolved here: the child between fork and exec only calls it
-        import ctypes
-
-        _PRCTL = ctypes.CDLL(None).prctl
-    except Exception:
-        _PRCTL = None
+    global _PRCTL
+    _PRCTL = libc_prctl()
+    subreaper = become_subreaper(_PRCTL)
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGHUP, _on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

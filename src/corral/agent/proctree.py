@@ -13,18 +13,29 @@ import signal
 import time
 
 
-def become_subreaper() -> bool:
+def libc_prctl():
+    """libc's ``prctl``, or None where it cannot be had (not Linux, no ctypes).
+
+    Resolved ahead: a child between fork and exec (``_die_with_agent``) may
+    only call it, not load a library."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except Exception:
+        return None
+
+
+def become_subreaper(prctl=None) -> bool:
     """Make orphaned descendants reparent to us (Linux >= 3.4).
 
     Without it, a worker whose launcher died would be reparented to init and
     escape both our tree walk and our cleanup.
     """
+    prctl = prctl or libc_prctl()
+    PR_SET_CHILD_SUBREAPER = 36
     try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_CHILD_SUBREAPER = 36
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return prctl is not None and prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except Exception:
         return False
 
