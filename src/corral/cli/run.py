@@ -17,7 +17,7 @@ from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
 from corral.console import RunConsole, parse_ranks
 from corral.errors import UsageError
-from corral.launchers import PLANNERS, refuse_owned_options
+from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
@@ -168,19 +168,6 @@ _LAUNCHER_HINTS = {
 }
 
 
-#: torchrun's and others' names for what corral takes another way.
-_FOREIGN_OPTIONS = {
-    "--nnodes": "the number of nodes is the number of hosts in the cluster (-c FILE or -H h1,h2)",
-    "--node_rank": "node ranks follow host order; corral sets them",
-    "--node-rank": "node ranks follow host order; corral sets them",
-    "--master_addr": "corral picks and checks the rendezvous address itself",
-    "--master-addr": "corral picks and checks the rendezvous address itself",
-    "--master_port": "use --master-port",
-    "--nproc_per_node": "use -n / --nproc-per-node",
-    "--num_processes": "use -n / --nproc-per-node (processes per node)",
-}
-
-
 def _refuse_unknown_option(program: str) -> None:
     """``corral run --nproc_per_node 2 train.py``: an option corral does not
     have would otherwise be taken as the program, and fail only after
@@ -190,7 +177,7 @@ def _refuse_unknown_option(program: str) -> None:
     name = program.split("=", 1)[0]
     ctx = click.get_current_context()
     known = sorted({o for p in ctx.command.params for o in getattr(p, "opts", []) if o.startswith("-")})
-    hint = _FOREIGN_OPTIONS.get(name)
+    hint = owned_option_hint(name)  # torchrun's and others' names for what corral takes another way
     if hint is None:
         close = difflib.get_close_matches(name.replace("_", "-"), known, n=2, cutoff=0.6)
         hint = f"did you mean {' or '.join(close)}?" if close else None
@@ -259,7 +246,6 @@ def _port_unchosen(plan: LaunchPlan) -> LaunchPlan:
     """The plan with the stand-in port shown as ``<port>`` (launcher flags,
     ``$MASTER_PORT`` in the script's arguments, the environment)."""
     import dataclasses
-    import re
 
     standin = re.compile(rf"(?<![0-9]){_PORT_STANDIN}(?![0-9])")
 

@@ -59,6 +59,16 @@ OWNED_OPTIONS: dict[str, dict[str, str]] = {
 }
 
 
+def _key(option: str) -> str:
+    """``--node-rank=1`` -> ``--node_rank``: how OWNED_OPTIONS spells it."""
+    return "--" + option.split("=", 1)[0][2:].replace("-", "_")
+
+
+def owned_option_hint(option: str) -> str | None:
+    """What to use instead of a launcher's option corral sets itself (any launcher's)."""
+    return next((owned[_key(option)] for owned in OWNED_OPTIONS.values() if _key(option) in owned), None)
+
+
 def refuse_owned_options(launcher: str, launcher_args: tuple[str, ...]) -> None:
     """A ``--launcher-arg`` that corral sets itself is refused before anything
     connects: ``--standalone`` on a multi-node cluster, for one, waited ten
@@ -68,10 +78,10 @@ def refuse_owned_options(launcher: str, launcher_args: tuple[str, ...]) -> None:
         if not arg.startswith("--"):
             continue
         name = arg.split("=", 1)[0]
-        why = owned.get("--" + name[2:].replace("-", "_"))
+        why = owned.get(_key(name))
         if why is not None:
             raise UsageError(f"--launcher-arg {arg} conflicts with what corral sets up for {launcher}", hint=why)
 
 
 __all__ = ["MULTI_PROCESS", "OWNED_OPTIONS", "PLANNERS", "REQUIRES", "NodeCommand", "NodeContext",
-           "refuse_owned_options"]
+           "owned_option_hint", "refuse_owned_options"]
