@@ -4,7 +4,7 @@ Every rank of a torchrun job is a fresh ``python -u script.py`` that spends
 its first seconds importing torch, and its last half second tearing torch's
 modules down again; eight ranks on one node do it eight times over (and on a
 shared filesystem, eight times over the network).  The prewarmed torchrun
-(``node.py``: ``PREWARM``) has imported torch already, before its job
+(``prewarm.py``: ``PREWARM``) has imported torch already, before its job
 arrived.  With preloading on, it forks one *zygote* from that state before
 torchrun starts any thread, and torchrun's worker ``Popen`` asks the zygote
 for each rank instead of exec'ing a new interpreter.  The rank starts with
@@ -33,7 +33,7 @@ prewarmed torchrun.
 import os
 import sys
 
-try:  # in the prewarmed torchrun, installed under its wire name (node.py: PRELOAD)
+try:  # in the prewarmed torchrun, installed under its wire name (prewarm.py: PRELOAD)
     from corral_agent_prescan import FIXED_UP, blas_pools, env_mismatch, omp_threads, script_blocker
 except ImportError:  # imported as part of the corral package (tests)
     from corral.agent.prescan import FIXED_UP, blas_pools, env_mismatch, omp_threads, script_blocker

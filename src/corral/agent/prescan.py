@@ -27,7 +27,7 @@ INSENSITIVE_PREFIXES = (
 )
 #: Fixed up: in the rank itself (torchrun sets OMP_NUM_THREADS to 1 for several
 #: ranks per node), or in the prewarmed torchrun before the zygote is forked
-#: (node.py: PREWARM_FIXUPS), or moot (torchrun runs ranks with ``-u``).
+#: (prewarm.py: PREWARM_FIXUPS), or moot (torchrun runs ranks with ``-u``).
 FIXED_UP = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE")
 #: Importing these imports torch: the script's top level is only looked at up to them.
 TORCH_IMPORTERS = frozenset((
