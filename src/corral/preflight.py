@@ -136,7 +136,7 @@ def local_disk_warning(results: Mapping[str, dict]) -> str | None:
         return None  # one directory seen by every node (hosts on one machine sharing it)
     from corral.hostrange import fold
 
-    path = next(iter(results.values())).get("workdir", {}).get("path")
+    path = (next(iter(results.values())).get("workdir") or {}).get("path")
     types = ", ".join(sorted(set(kinds.values())))  # type: ignore[arg-type]
     return (f"--max-restarts: the work dir {path} is on each node's own disk ({types} on "
             f"{fold(list(kinds))}), not shared: a checkpoint one node writes there is not seen by the "
