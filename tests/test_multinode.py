@@ -437,6 +437,31 @@ def test_edited_script_on_some_nodes_is_named(sandbox, workdir: Path) -> None:
     assert_clean(sandbox, within=5)
 
 
+def test_restarts_on_node_private_work_dirs_are_warned_about(sandbox, workdir: Path) -> None:
+    """--max-restarts with the project on each node's own disk: a checkpoint one
+    node writes there is not there for the others after a restart."""
+    proj = f"/srv/restart-{os.getpid()}"
+    write(workdir / "train.py", 'import os; print("attempt", os.environ["CORRAL_ATTEMPT"])\n')
+    for node in sandbox.nodes:
+        sandbox.exec(node, ["mkdir", "-p", proj])
+        sandbox.exec(node, ["cp", str(workdir / "train.py"), f"{proj}/train.py"])
+    try:
+        res = corral(sandbox, ["--workdir", proj, "--launcher", "command", "--max-restarts", "1", "train.py"],
+                     workdir, timeout=60)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"the work dir {proj} is on each node's own disk" in res.stderr, res.stderr[-3000:]
+        assert res.stdout.count("attempt 1") == len(sandbox.nodes)
+        # the shared directory (one directory every node sees) and runs without restarts: nothing to say
+        res = corral(sandbox, ["--launcher", "command", "--max-restarts", "1", "train.py"], workdir, timeout=60)
+        assert res.returncode == 0 and "own disk" not in res.stderr, res.stderr[-3000:]
+        res = corral(sandbox, ["--workdir", proj, "--launcher", "command", "train.py"], workdir, timeout=60)
+        assert res.returncode == 0 and "own disk" not in res.stderr, res.stderr[-3000:]
+    finally:
+        for node in sandbox.nodes:
+            sandbox.exec(node, ["rm", "-rf", proj])
+    assert_clean(sandbox, within=5)
+
+
 def test_command_launcher_runs_the_configured_python_and_shows_its_last_lines(sandbox, workdir: Path) -> None:
     # The cluster's `python` (a venv the nodes do not have on PATH) is CORRAL_PYTHON and
     # first on PATH; a node's failing command is summarized with what it last wrote.
