@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.stacks import fold_ranks, main_stack, stack_report
+from corral.stacks import fold_keys, fold_ranks, main_stack, parse_key, stack_report
 
 CORRAL = [sys.executable, "-m", "corral"]
 
@@ -106,6 +106,45 @@ def test_fold_ranks() -> None:
     assert fold_ranks({5}) == "rank 5"
 
 
+_SPAWNER = [("/w/train_net.py", 40, "<module>"), ("/w/train_net.py", 30, "launch"),
+            ("/venv/torch/multiprocessing/spawn.py", 340, "start_processes"),
+            ("/venv/torch/multiprocessing/spawn.py", 180, "join"),
+            ("/usr/lib/python3.11/multiprocessing/connection.py", 947, "wait")]
+_WORKER = [("<string>", 1, "<module>"), ("/usr/lib/python3.11/multiprocessing/spawn.py", 122, "spawn_main"),
+           ("/usr/lib/python3.11/multiprocessing/spawn.py", 135, "_main"),
+           ("/venv/torch/multiprocessing/spawn.py", 90, "_wrap"), ("/w/train_net.py", 20, "main")]
+
+
+def test_a_rank_waiting_in_mp_spawn_is_shown_by_its_workers() -> None:
+    in_step = _WORKER + [("/w/train_net.py", 12, "train_step"),
+                         ("/venv/torch/distributed/c10d_logger.py", 81, "wrapper")]
+    loading = _WORKER + [("/w/train_net.py", 7, "load_shard")]
+    tracker = [("<string>", 1, "<module>"), ("/usr/lib/python3.11/multiprocessing/resource_tracker.py", 227, "main")]
+    dumps = {0: _dump(*_SPAWNER), parse_key("0/4700"): _dump(*tracker),
+             parse_key("0/4711"): _dump(*in_step), parse_key("0/4712"): _dump(*loading),
+             1: _dump(*_SPAWNER), parse_key("1/5001"): _dump(*in_step), parse_key("1/5002"): _dump(*in_step)}
+    lines, odd = stack_report(dumps, world_size=2)
+    tree = "\n".join(lines)
+    # The processes are numbered in the order they started, per rank; the
+    # spawning ranks, which only wait, and multiprocessing's resource tracker
+    # are not in the tree.
+    assert any("load_shard train_net.py:7" in ln and ln.endswith("rank 0 worker 1") for ln in lines), tree
+    assert any("wrapper c10d_logger.py:81" in ln and ln.endswith("rank 0 worker 0, rank 1 workers 0-1")
+               for ln in lines), tree
+    assert "join spawn.py" not in tree and "resource_tracker" not in tree and "no stack from" not in tree, tree
+    assert odd == {(0, 1)}
+    assert fold_keys(odd) == "rank 0 worker 1"
+
+
+def test_a_busy_ranks_helper_processes_are_left_out() -> None:
+    training = [("/w/train.py", 50, "<module>"), ("/w/train.py", 12, "train_step")]
+    helper = [("/w/tools/convert.py", 3, "<module>"), ("/w/tools/convert.py", 9, "convert")]
+    lines, odd = stack_report({0: _dump(*training), 1: _dump(*training), parse_key("1/777"): _dump(*helper)},
+                              world_size=2)
+    assert "convert" not in "\n".join(lines) and odd == set()
+    assert lines[0].endswith("ranks 0-1")
+
+
 HANG = """
     import os, time
     import torch, torch.distributed as dist
@@ -178,3 +217,37 @@ def test_planted_hang_on_the_sandbox_names_the_rank(sandbox) -> None:
     finally:
         import shutil
         shutil.rmtree(work, ignore_errors=True)
+
+
+SPAWN_HANG = """
+    import os, sys, time
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    def load_shard():
+        time.sleep(3600)          # the planted hang, in mp.spawn process 1
+    def worker(i, n):
+        os.environ.update(RANK=str(i), WORLD_SIZE=str(n), MASTER_PORT=str(int(os.environ["MASTER_PORT"]) + 1))
+        dist.init_process_group("gloo", rank=i, world_size=n)
+        dist.all_reduce(torch.ones(1))
+        print("worker", i, "warmed up", flush=True)
+        if i == 1:
+            load_shard()
+        dist.all_reduce(torch.ones(1))
+    if __name__ == "__main__":
+        mp.spawn(worker, args=(2,), nprocs=2)
+"""
+
+
+def test_hang_in_mp_spawn_workers_names_the_worker(tmp_path: Path) -> None:
+    # detectron2-style: one process per node (--launcher command) that starts
+    # its workers with mp.spawn.  The hook in each worker registers its own
+    # stack dump, so the hang is found in worker 1, not in the spawner's join.
+    (tmp_path / "spawn_hang.py").write_text(textwrap.dedent(SPAWN_HANG))
+    res = subprocess.run(CORRAL + ["run", "--launcher", "command", "--hang-timeout", "10", "--json",
+                                   "spawn_hang.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 124, res.stderr[-2000:]
+    out = json.loads(res.stdout[res.stdout.index("{\n"):])
+    tree = "\n".join(out["stacks"])
+    assert any("load_shard spawn_hang.py:5" in ln and ln.endswith("rank 0 worker 1") for ln in out["stacks"]), tree
+    assert any("all_reduce" in ln and ln.endswith("rank 0 worker 0") for ln in out["stacks"]), tree
+    assert "rank 0 worker 1 elsewhere than the others" in res.stderr, res.stderr[-2000:]
+    assert "rank 0, pid " in next(Path(out["run_dir"]).glob("stacks-*.txt")).read_text()

@@ -18,6 +18,7 @@ from pathlib import Path
 from corral.agent.session import AgentPool
 from corral.errors import CorralError
 from corral.plan import STACK_SIGNAL
+from corral.stacks import StackKey, parse_key
 
 #: sun_path is 108 bytes on Linux (104 on the BSDs), with the final NUL.
 _SUN_PATH_MAX = 100
@@ -46,8 +47,9 @@ def control_path(run_id: str) -> Path:
         hint="set TMPDIR to a short writable directory, e.g. TMPDIR=/tmp")
 
 
-async def collect_stacks(pool: AgentPool, timeout: float = 3.0) -> dict[int, str]:
-    """faulthandler dumps of every rank on every node: {global rank: text}."""
+async def collect_stacks(pool: AgentPool, timeout: float = 3.0) -> dict[StackKey, str]:
+    """faulthandler dumps of every rank on every node: {global rank: text},
+    and of the Python processes ranks started themselves: {(rank, pid): text}."""
 
     async def one(s) -> dict[str, str]:
         try:
@@ -57,9 +59,9 @@ async def collect_stacks(pool: AgentPool, timeout: float = 3.0) -> dict[int, str
             return {}
 
     answers = await asyncio.gather(*(one(s) for s in pool.sessions if not s.closed))
-    out: dict[int, str] = {}
+    out: dict[StackKey, str] = {}
     for answer in answers:
-        out.update({int(k): v for k, v in answer.items()})
+        out.update({parse_key(k): v for k, v in answer.items()})
     return out
 
 

@@ -42,7 +42,16 @@ from corral.logs import RunLogs
 from corral.model import Cluster
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan
 from corral.preflight import choose_master, local_disk_warning, preflight
-from corral.stacks import fold_ranks, rendezvous_note, stack_report
+from corral.stacks import (
+    dump_title,
+    fold_keys,
+    fold_ranks,
+    key_rank,
+    rendezvous_note,
+    stack_key_text,
+    stack_order,
+    stack_report,
+)
 from corral.watch import Failure, JobWatch, Sink
 
 #: Launchers whose per-node process is torchrun's elastic agent, and the module
@@ -237,7 +246,7 @@ class Runner:
             return {"error": "the job has not started yet"}
         dumps = await collect_stacks(self.attempt.pool)
         return {"run_id": self.spec.run_id, "world_size": self.attempt.plan.world_size,
-                "stacks": {str(k): v for k, v in dumps.items()}}
+                "stacks": {stack_key_text(k): v for k, v in dumps.items()}}
 
     async def _hang(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
         """No rank made progress: show where every rank is, then fail the job."""
@@ -250,15 +259,15 @@ class Runner:
             lines.append(note)
         path = self.logs.dir / f"stacks-{time.strftime('%H%M%S')}.txt"
         path.write_text("\n".join(lines) + "\n\n" + "\n".join(
-            f"===== rank {r} =====\n{t}" for r, t in sorted(dumps.items())))
+            f"===== {dump_title(k)} =====\n{t}" for k, t in sorted(dumps.items(), key=lambda kv: stack_order(kv[0]))))
         for line in lines:
             self.view.message(line)
         self.hang_stacks = tuple(lines)
         where = ""
         if odd:
-            rank = min(odd)
+            rank = min(key_rank(k) for k in odd)
             node = watch.plan.node_of_rank(rank)
-            where = f"; {fold_ranks(odd)} elsewhere than the others"
+            where = f"; {fold_keys(odd)} elsewhere than the others"
             watch.hang(node.host.name if node else watch.plan.nodes[0].host.name, rank,
                        f"no progress for {silent:.0f}s{where} (stacks: {path})")
         else:

@@ -12,6 +12,11 @@ stands out::
     └─ train_step train.py:61                     ranks 0-7
        ├─ all_reduce distributed_c10d.py:2501     ranks 0-2,4-7
        └─ __next__ dataloader.py:631              rank 3
+
+A rank that only waits for Python processes it started itself (``mp.spawn``,
+as detectron2's ``launch`` does; ``subprocess.run([sys.executable, ...])``)
+is shown by those processes instead, labelled ``rank 0 workers 0-3`` (in
+the order they started): that is where its training is.
 """
 
 from __future__ import annotations
@@ -68,16 +73,45 @@ def main_stack(text: str) -> list[Frame]:
     return stack
 
 
+#: A rank, or (rank, n): the n-th Python process that rank started itself.
+StackKey = int | tuple[int, int]
+
+
+def parse_key(text: str) -> StackKey:
+    """The agent's keys: ``"3"`` for rank 3, ``"3/4711"`` for pid 4711 started by rank 3."""
+    rank, _, pid = str(text).partition("/")
+    return (int(rank), int(pid)) if pid else int(rank)
+
+
+def key_rank(key: StackKey) -> int:
+    return key[0] if isinstance(key, tuple) else key
+
+
+def stack_order(key: StackKey) -> tuple[int, int]:
+    """Sort key: each rank, then the processes it started."""
+    return key if isinstance(key, tuple) else (key, -1)
+
+
+def stack_key_text(key: StackKey) -> str:
+    """The wire form ``parse_key`` reads."""
+    return f"{key[0]}/{key[1]}" if isinstance(key, tuple) else str(key)
+
+
+def dump_title(key: StackKey) -> str:
+    """``rank 3`` / ``rank 3, pid 4711`` over a raw dump."""
+    return f"rank {key[0]}, pid {key[1]}" if isinstance(key, tuple) else f"rank {key}"
+
+
 @dataclass
 class Node:
     frame: Frame | None
-    ranks: set[int] = field(default_factory=set)
+    ranks: set[StackKey] = field(default_factory=set)
     children: dict[Frame, Node] = field(default_factory=dict)
 
 
-def merge(stacks: dict[int, list[Frame]]) -> Node:
+def merge(stacks: dict[StackKey, list[Frame]]) -> Node:
     root = Node(frame=None)
-    for rank, frames in sorted(stacks.items()):
+    for rank, frames in sorted(stacks.items(), key=lambda kv: stack_order(kv[0])):
         node = root
         node.ranks.add(rank)
         for fr in frames:
@@ -103,6 +137,23 @@ def fold_ranks(ranks: set[int]) -> str:
     return "ranks " + ",".join(parts)
 
 
+def fold_keys(keys: set[StackKey]) -> str:
+    """Ranks folded as ``fold_ranks``, then each rank's workers:
+    ``ranks 2-3, rank 0 workers 0-1``."""
+    parts = []
+    ranks = {k for k in keys if not isinstance(k, tuple)}
+    if ranks:
+        parts.append(fold_ranks(ranks))
+    by_rank: dict[int, set[int]] = {}
+    for k in keys:
+        if isinstance(k, tuple):
+            by_rank.setdefault(k[0], set()).add(k[1])
+    for rank, workers in sorted(by_rank.items()):
+        folded = fold_ranks(workers)  # "rank 1" / "ranks 0-3", reworded below
+        parts.append(f"rank {rank} " + folded.replace("ranks ", "workers ").replace("rank ", "worker "))
+    return ", ".join(parts)
+
+
 def render(root: Node, *, missing: set[int] = frozenset()) -> list[str]:  # type: ignore[assignment]
     """Lines of the merged tree (rank sets right-aligned after each frame)."""
     rows: list[tuple[str, str]] = []
@@ -110,9 +161,9 @@ def render(root: Node, *, missing: set[int] = frozenset()) -> list[str]:  # type
     def walk(node: Node, prefix: str, last: bool, depth: int) -> None:
         if node.frame is not None:
             branch = "" if depth == 1 else ("└─ " if last else "├─ ")
-            rows.append((prefix + branch + node.frame.label(), fold_ranks(node.ranks)))
+            rows.append((prefix + branch + node.frame.label(), fold_keys(node.ranks)))
             prefix = prefix + ("" if depth == 1 else ("   " if last else "│  "))
-        kids = sorted(node.children.values(), key=lambda n: (-len(n.ranks), min(n.ranks)))
+        kids = sorted(node.children.values(), key=lambda n: (-len(n.ranks), min(map(stack_order, n.ranks))))
         # A single chain shared by every rank is printed flat, not ever deeper.
         for i, child in enumerate(kids):
             walk(child, prefix, i == len(kids) - 1, depth + 1)
@@ -140,14 +191,14 @@ def _waits_for_peers(node: Node) -> bool:
     return bool(node.children) and all(_waits_for_peers(k) for k in node.children.values())
 
 
-def odd_ones_out(root: Node) -> set[int]:
+def odd_ones_out(root: Node) -> set[StackKey]:
     """Ranks on a branch the others did not take: the likely culprits.
 
     Where some ranks wait in a collective and others are outside any (a loop
     waiting for a file only node 0 has, a data loader), the ones outside are
     what the others wait for, however many they are.  Otherwise (all in
     collectives, or none) it is the ranks on a smaller branch."""
-    odd: set[int] = set()
+    odd: set[StackKey] = set()
 
     def walk(node: Node) -> None:
         kids = list(node.children.values())
@@ -169,11 +220,65 @@ def odd_ones_out(root: Node) -> set[int]:
     return odd
 
 
-def stack_report(dumps: dict[int, str], world_size: int) -> tuple[list[str], set[int]]:
-    """The merged tree of every rank's main thread, and the odd ranks out."""
-    stacks = {rank: main_stack(text) for rank, text in dumps.items()}
-    stacks = {r: st for r, st in stacks.items() if st}
-    missing = set(range(world_size)) - set(stacks)
+#: Python processes multiprocessing starts for itself, not the user's.
+_MP_HELPERS = ("multiprocessing/resource_tracker.py", "multiprocessing/forkserver.py")
+
+
+def numbered(dumps: dict[StackKey, str]) -> dict[StackKey, str]:
+    """(rank, pid) keys -> (rank, n), n counting each rank's processes in
+    the order they started (mp.spawn's process index); multiprocessing's own
+    helpers (its resource tracker) are dropped."""
+    out: dict[StackKey, str] = {k: v for k, v in dumps.items() if not isinstance(k, tuple)}
+    count: dict[int, int] = {}
+    for key in sorted((k for k in dumps if isinstance(k, tuple)), key=stack_order):
+        if any(helper in dumps[key] for helper in _MP_HELPERS):
+            continue
+        out[(key[0], count.get(key[0], 0))] = dumps[key]
+        count[key[0]] = count.get(key[0], 0) + 1
+    return out
+
+
+#: Where a process waits for the Python processes it started.
+_CHILD_WAITS = (("/torch/multiprocessing/spawn.py", None), ("/multiprocessing/process.py", "join"),
+                ("/multiprocessing/pool.py", None), ("/subprocess.py", "wait"),
+                ("/subprocess.py", "communicate"), ("/subprocess.py", "_wait"))
+
+
+def _waits_for_children(frames: list[Frame]) -> bool:
+    return any(fr.file.endswith(path) and (func is None or fr.func == func)
+               for fr in frames for path, func in _CHILD_WAITS)
+
+
+#: How a multiprocessing child reaches the user's function: not the user's frames.
+_BOOTSTRAP = ("/multiprocessing/spawn.py", "/multiprocessing/process.py", "/torch/multiprocessing/spawn.py")
+
+
+def _without_bootstrap(frames: list[Frame]) -> list[Frame]:
+    """A spawned worker's stack from the user's function down (mp.spawn's
+    ``fn``), as a rank's starts at the script's ``<module>``."""
+    start = 0
+    while start < len(frames) - 1 and (frames[start].file == "<string>"
+                                       or frames[start].file.endswith(_BOOTSTRAP)):
+        start += 1
+    return frames[start:]
+
+
+def stack_report(dumps: dict[StackKey, str], world_size: int) -> tuple[list[str], set[StackKey]]:
+    """The merged tree of every rank's main thread, and the odd ones out.
+
+    A rank waiting for the Python processes it started is replaced by them
+    (numbered in the order they started); otherwise those are left out: a
+    rank's helper process is not a peer of the ranks."""
+    stacks = {k: main_stack(text) for k, text in numbered(dumps).items()}
+    stacks = {k: st for k, st in stacks.items() if st}
+    workers: dict[int, dict[StackKey, list[Frame]]] = {}
+    for key in [k for k in stacks if isinstance(k, tuple)]:
+        workers.setdefault(key[0], {})[key] = stacks.pop(key)
+    for rank, procs in workers.items():
+        if rank in stacks and _waits_for_children(stacks[rank]):
+            del stacks[rank]
+            stacks.update({k: _without_bootstrap(frames) for k, frames in procs.items()})
+    missing = set(range(world_size)) - {key_rank(k) for k in stacks}
     root = merge(stacks)
     return render(root, missing=missing), odd_ones_out(root)
 
@@ -183,14 +288,14 @@ _RENDEZVOUS_FRAMES = ("_create_c10d_store", "_env_rendezvous_handler", "_tcp_ren
                       "_create_tcp_store", "TCPStore")
 
 
-def rendezvous_note(dumps: dict[int, str], master_addr: str, master_port: int) -> str | None:
+def rendezvous_note(dumps: dict[StackKey, str], master_addr: str, master_port: int) -> str | None:
     """A hang with ranks still connecting to the store is almost always a
     script that picks its own rendezvous (``os.environ["MASTER_PORT"] = ...``,
     ``init_method="tcp://..."``): the store it waits for is never started."""
-    waiting = sorted(r for r, text in dumps.items() if any(f in text for f in _RENDEZVOUS_FRAMES))
+    waiting = {k for k, text in numbered(dumps).items() if any(f in text for f in _RENDEZVOUS_FRAMES)}
     if not waiting:
         return None
-    return (f"{fold_ranks(set(waiting))} still connecting to a rendezvous store: corral's is "
+    return (f"{fold_keys(waiting)} still connecting to a rendezvous store: corral's is "
             f"{master_addr}:{master_port} (MASTER_ADDR:MASTER_PORT); a script that sets MASTER_ADDR, "
             "MASTER_PORT or init_method='tcp://...' itself waits for a store nobody starts: "
             "use init_method='env://' (the default) and leave those variables to corral")

@@ -441,6 +441,9 @@ def stacks(sig: int, timeout: float = 3.0) -> dict:
 
     Only the pids the rank hook registered are signalled (never by name),
     and only after the hook registered faulthandler on ``sig`` for them.
+    The Python processes a rank started itself (mp.spawn workers) are asked
+    too, under ``"<rank>/<pid>"``: the head shows them where their rank only
+    waits for them.
     """
     agent = AGENT
     if agent is None or agent.tailer is None:
@@ -448,28 +451,41 @@ def stacks(sig: int, timeout: float = 3.0) -> dict:
     tailer = agent.tailer
     log_dir = tailer.log_dir
 
-    def size(rank: int) -> int:
+    def path(key) -> str:
+        if isinstance(key, tuple):
+            return os.path.join(log_dir, "rank%d.w%d.stacks" % key)
+        return os.path.join(log_dir, "rank%d.stacks" % key)
+
+    def size(key) -> int:
         try:
-            return os.path.getsize(os.path.join(log_dir, "rank%d.stacks" % rank))
+            return os.path.getsize(path(key))
         except OSError:
             return 0
 
-    before = {rank: size(rank) for rank in tailer.pids}
+    workers = tailer.workers()
+    before = {key: size(key) for key in [*tailer.pids, *workers]}
     asked = tailer.signal_ranks(int(sig))
+    for key in workers:
+        try:
+            os.kill(key[1], int(sig))
+            asked.append(key)
+        except OSError:
+            pass
     deadline = time.monotonic() + float(timeout)
     last = {}
     while time.monotonic() < deadline:
-        now = {r: size(r) for r in asked}
-        if all(now[r] > before.get(r, 0) for r in asked) and now == last:
+        now = {k: size(k) for k in asked}
+        if all(now[k] > before.get(k, 0) for k in asked) and now == last:
             break  # every dump started, and none grew since the last look
         last = now
         time.sleep(0.1)
     out = {}
-    for rank in asked:
+    for key in asked:
         try:
-            with open(os.path.join(log_dir, "rank%d.stacks" % rank), "rb") as f:
-                f.seek(before.get(rank, 0))
-                out[str(rank)] = f.read().decode("utf-8", "replace")
+            with open(path(key), "rb") as f:
+                f.seek(before.get(key, 0))
+                name = "%d/%d" % key if isinstance(key, tuple) else str(key)
+                out[name] = f.read().decode("utf-8", "replace")
         except OSError:
             pass
     return out

@@ -244,6 +244,30 @@ class RankTailer(threading.Thread):
         except (OSError, ValueError):
             return None
 
+    def workers(self) -> list:
+        """The Python processes live ranks started themselves (mp.spawn
+        workers), as the hook registered them in ``rank<N>.w<pid>.pid``: only
+        a rank's own children still in this agent's tree; [(rank, pid)]."""
+        mine = set(descendants(os.getpid()))
+        found = []
+        try:
+            names = sorted(os.listdir(self.log_dir))
+        except OSError:
+            return found
+        for name in names:
+            parts = name.split(".")
+            if len(parts) != 3 or parts[2] != "pid" or not parts[0].startswith("rank") or not parts[1].startswith("w"):
+                continue
+            try:
+                with open(os.path.join(self.log_dir, name)) as f:
+                    pid, ppid = (int(x) for x in f.read().split())
+                rank = int(parts[0][4:])
+            except (OSError, ValueError):
+                continue
+            if pid in mine and self.pids.get(rank) == ppid and rank not in self.exited:
+                found.append((rank, pid))
+        return found
+
     def signal_ranks(self, sig: int) -> list:
         """Signal each rank's main process (only pids the hook registered)."""
         mine = set(descendants(os.getpid()))

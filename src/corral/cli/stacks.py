@@ -13,7 +13,7 @@ from corral.control import request
 from corral.errors import CorralError
 from corral.logs import default_runs_dir
 from corral.runs import find_run
-from corral.stacks import stack_report
+from corral.stacks import fold_keys, numbered, parse_key, stack_report
 
 
 @click.command(name="stacks")
@@ -28,7 +28,8 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
     running run in ./runs.  Ranks with the same stack share a branch labelled
     with their rank set, so the rank that is somewhere else stands out.  Works
     without root or py-spy: the ranks dump themselves (faulthandler), even
-    while blocked in a collective.
+    while blocked in a collective.  A rank that only waits for the Python
+    processes it started (mp.spawn) is shown by them: `rank 0 workers 0-3`.
     """
     rec = find_run(runs_dir or default_runs_dir(Path.cwd()), run)
     if rec.status != "running" or not rec.data.get("control"):
@@ -37,16 +38,17 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
     answer = request(rec.data["control"], "stacks")
     if "error" in answer:
         raise CorralError(f"run {rec.run_id}: {answer['error']}")
-    dumps = {int(k): v for k, v in answer.get("stacks", {}).items()}
+    dumps = {parse_key(k): v for k, v in answer.get("stacks", {}).items()}
     if as_json:
         click.echo(json.dumps({"run_id": rec.run_id, "stacks": answer.get("stacks", {})}, indent=2))
         return
     lines, odd = stack_report(dumps, int(answer.get("world_size") or len(dumps)))
     con = ui.console()
-    con.print(f"[bold]run {rec.run_id}[/]: {len(dumps)} rank(s) answered")
+    ranks = sum(1 for k in dumps if not isinstance(k, tuple))
+    started = len(numbered(dumps)) - ranks  # not multiprocessing's own helpers
+    more = f" (and {started} Python process(es) they started)" if started else ""
+    con.print(f"[bold]run {rec.run_id}[/]: {ranks} rank(s) answered{more}")
     for line in lines:
         con.print(escape(line), soft_wrap=True)
     if odd:
-        from corral.stacks import fold_ranks
-
-        con.print(f"[yellow]{fold_ranks(odd)} not where the others are[/]")
+        con.print(f"[yellow]{fold_keys(odd)} not where the others are[/]")

@@ -20,6 +20,9 @@ Lightning's children set ``LOCAL_RANK`` and ``NODE_RANK``), it:
   ``rank<N>.stacks`` so ``corral stacks`` / ``--hang-timeout`` can show
   where every rank is, without ptrace or special privileges.
 
+A new interpreter started under a rank (an ``mp.spawn`` worker) registers
+the same dump into ``rank<N>.w<pid>.stacks`` and nothing else.
+
 Processes that are not ranks (torchrun itself, ``accelerate launch``) are
 left alone.  Then the next ``sitecustomize`` on sys.path, if any, is run, so
 an environment's own customisation still applies.  Stdlib only, Python 3.8+,
@@ -43,6 +46,34 @@ def _corral_rank():
     return None
 
 
+def _corral_worker(log_dir, rank):
+    """Let ``corral stacks`` see a Python process started by a rank.
+
+    When a rank only waits for the processes it started (``mp.spawn`` as in
+    detectron2's ``launch``), those processes are where the training is.  The
+    dump goes to ``rank<N>.w<pid>.stacks``; ``rank<N>.w<pid>.pid`` holds the
+    pid and the parent's, so the agent signals only a rank's own children.
+    The pid file is written after the handler is registered: a signal that
+    finds the file always finds the handler (its default action kills)."""
+    import faulthandler
+
+    try:
+        if not faulthandler.is_enabled():
+            faulthandler.enable(all_threads=False)
+    except Exception:
+        pass
+    sig = os.environ.get("CORRAL_STACK_SIGNAL", "")
+    if not sig.isdigit():
+        return
+    base = os.path.join(log_dir, "rank%d.w%d" % (rank, os.getpid()))
+    stacks = open(base + ".stacks", "a")
+    faulthandler.register(int(sig), file=stacks, all_threads=True, chain=False)
+    tmp = base + ".pid.tmp"
+    with open(tmp, "w") as f:
+        f.write("%d %d" % (os.getpid(), os.getppid()))
+    os.replace(tmp, base + ".pid")
+
+
 def _corral_install():
     log_dir = os.environ.get("CORRAL_LOG_DIR")
     if not log_dir or not os.path.isdir(log_dir):
@@ -51,7 +82,11 @@ def _corral_install():
     if rank is None:
         return
     if os.environ.get("CORRAL_CAPTURED") == str(rank):
-        return  # a child of this rank (a DataLoader worker): fds already point at the files
+        # A new interpreter started under this rank (an mp.spawn worker, a
+        # `subprocess.run([sys.executable, ...])`): its fds already point at
+        # the rank's files; it only needs to be able to say where it is.
+        _corral_worker(log_dir, rank)
+        return
     os.environ["CORRAL_CAPTURED"] = str(rank)
     base = os.path.join(log_dir, "rank%d" % rank)
     for stream in (sys.stdout, sys.stderr):
@@ -69,11 +104,6 @@ def _corral_install():
         sys.stdout.reconfigure(line_buffering=True)
     except Exception:
         pass
-    tmp = base + ".pid.tmp"
-    with open(tmp, "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(tmp, base + ".pid")
-
     previous = sys.excepthook
 
     def record_exception(etype, value, tb):
@@ -111,6 +141,11 @@ def _corral_install():
             faulthandler.register(int(sig), file=stacks, all_threads=True, chain=False)
         except Exception:
             pass
+    # Last: the agent signals the pid it finds here, so the handler is there first.
+    tmp = base + ".pid.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, base + ".pid")
 
 
 def _corral_chain():
