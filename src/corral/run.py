@@ -42,6 +42,7 @@ from corral.logs import RunLogs
 from corral.model import Cluster
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan
 from corral.preflight import choose_master, local_disk_warning, preflight
+from corral.scriptcheck import self_launch_note
 from corral.stacks import (
     dump_title,
     fold_keys,
@@ -179,6 +180,7 @@ class Runner:
         self.interrupts = 0
         #: Whether the work dir's file system was looked at for --max-restarts.
         self._disk_checked = False
+        self._script_checked = False
         #: Attempts that failed and were restarted (--max-restarts): what failed.
         self.restarts: list[dict] = []
         #: What stopped the head: SIGINT (Ctrl-C) is passed on to the ranks as
@@ -316,6 +318,12 @@ class Runner:
             plan = build_plan(self.cluster, self.spec, facts, master_addr=master, master_port=int(port),
                               head_env=self.head_env, head_cwd=self.head_cwd)
             _check_shown_ranks(self.options.shown_ranks, plan.world_size)
+            if not self._script_checked:
+                self._script_checked = True
+                note = None if self.spec.module else self_launch_note(
+                    self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher, nproc=plan.nodes[0].nproc)
+                if note:
+                    ui.notice(note)
         except BaseException:
             await pool.close()
             raise

@@ -287,7 +287,8 @@ def _summary(result: RunResult, as_json: bool) -> None:
     con = ui.err_console()
     where = f"logs: {result.run_dir}" if result.run_dir else ""
     plan = result.plan
-    shape = f"{plan.world_size} ranks on {len(plan.nodes)} node(s)" if plan else ""
+    shape = (f"{plan.world_size} rank{'' if plan.world_size == 1 else 's'} on {len(plan.nodes)} node(s)"
+             if plan else "")
     if result.status == "succeeded":
         again = ""
         if result.restarts:

@@ -1,0 +1,115 @@
+"""What a script's own source says about how it must be launched.
+
+Read on the head before anything starts, so a script written for another
+way of launching is named before it hangs.  The one case covered: a script
+that starts its own worker processes (``mp.spawn``, detectron2's
+``launch``) and never asks the environment for its rank, run under a
+launcher that already starts several processes per node.  Each of those
+processes would start a full set of workers of its own, all of them
+waiting on one rendezvous address (the PyTorch DDP tutorial's
+``localhost:12355``) for a world size that never fills up: a silent hang.
+
+A static look (``ast``), never an import: the head needs no torch, and the
+script is not run.  It errs towards silence: any sign that the script reads
+its rank from the environment (a ``"RANK"`` / ``"LOCAL_RANK"`` string, an
+argparse ``--local_rank``, a framework that does it: accelerate, Lightning,
+DeepSpeed, transformers) and nothing is said.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Strings whose presence means the script reads its rank as torchrun gives it.
+_ENV_AWARE = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                        "--local_rank", "--local-rank"})
+#: Frameworks that read the launcher's environment themselves.
+_ENV_FRAMEWORKS = frozenset({"accelerate", "lightning", "pytorch_lightning", "deepspeed", "transformers",
+                             "composer", "ignite", "colossalai", "megatron", "torchtitan"})
+#: Modules whose ``spawn`` / ``start_processes`` start one process per worker.
+_SPAWN_MODULES = frozenset({"torch.multiprocessing", "torch_xla.distributed.xla_multiprocessing"})
+#: Functions that start the workers themselves: (module, name).
+_LAUNCH_FUNCTIONS = frozenset({("detectron2.engine", "launch"), ("detectron2.engine.launch", "launch"),
+                               ("torch.multiprocessing", "spawn"), ("torch.multiprocessing", "start_processes")})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelfLaunch:
+    """A script that starts its own workers: where, and with what."""
+
+    line: int
+    call: str  # as written, e.g. "mp.spawn"
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def self_launch(source: str) -> SelfLaunch | None:
+    """The first call that starts worker processes, in a script that never
+    reads its rank from the environment; None otherwise (or when the source
+    does not parse: Python will say why soon enough)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    modules: dict[str, str] = {}  # local name -> module it stands for
+    functions: dict[str, tuple[str, str]] = {}  # local name -> (module, function)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in _ENV_FRAMEWORKS:
+                    return None
+                modules[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in _ENV_FRAMEWORKS:
+                return None
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                modules[alias.asname or alias.name] = full
+                functions[alias.asname or alias.name] = (node.module, alias.name)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in _ENV_AWARE:
+            return None
+    found: SelfLaunch | None = None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _dotted(node.func)
+        if name is None:
+            continue
+        head, _, attr = name.rpartition(".")
+        if head:
+            first, _, rest = head.partition(".")
+            module = modules.get(first, first) + (f".{rest}" if rest else "")
+            hit = module in _SPAWN_MODULES and attr in ("spawn", "start_processes")
+        else:
+            hit = functions.get(name) in _LAUNCH_FUNCTIONS
+        if hit and (found is None or node.lineno < found.line):
+            found = SelfLaunch(line=node.lineno, call=name)
+    return found
+
+
+def self_launch_note(program: str, workdir: Path, *, launcher: str, nproc: int) -> str | None:
+    """The notice for a self-launching script under a launcher that starts
+    ``nproc`` > 1 processes per node, or None."""
+    if launcher not in ("torchrun", "accelerate", "deepspeed") or nproc < 2 or not program.endswith(".py"):
+        return None
+    path = Path(program) if Path(program).is_absolute() else workdir / program
+    try:
+        found = self_launch(path.read_text(errors="replace"))
+    except OSError:
+        return None
+    if found is None:
+        return None
+    return (f"{program}:{found.line} starts its own worker processes ({found.call}) and never reads RANK or "
+            f"LOCAL_RANK: under {launcher} each of the {nproc} processes per node would start a set of its own, "
+            "all waiting on one rendezvous that never fills up. Run it once per node instead: "
+            f"`corral run --launcher command {program} ...` (NODE_RANK, NNODES, MASTER_ADDR and MASTER_PORT "
+            "are set for it), or make it read RANK/LOCAL_RANK/WORLD_SIZE as torchrun sets them")

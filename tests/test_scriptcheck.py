@@ -1,0 +1,115 @@
+"""A script that starts its own workers is named before it hangs under torchrun."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from corral.scriptcheck import self_launch, self_launch_note
+
+CORRAL = [sys.executable, "-m", "corral"]
+
+#: The PyTorch DDP tutorial's shape (getting-started guide): its own
+#: MASTER_ADDR/MASTER_PORT, a rank argument from mp.spawn, no RANK read.
+TUTORIAL = """
+import os
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+def setup(rank, world_size):
+    os.environ['MASTER_ADDR'] = 'localhost'
+    os.environ['MASTER_PORT'] = '12355'
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+def demo_basic(rank, world_size):
+    setup(rank, world_size)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    world_size = 2
+    mp.spawn(demo_basic, args=(world_size,), nprocs=world_size, join=True)
+"""
+
+#: detectron2's tools/train_net.py shape.
+DETECTRON2 = """
+from detectron2.engine import default_argument_parser, launch
+
+def main(args):
+    return args
+
+if __name__ == "__main__":
+    args = default_argument_parser().parse_args()
+    launch(main, args.num_gpus, num_machines=args.num_machines, machine_rank=args.machine_rank,
+           dist_url=args.dist_url, args=(args,))
+"""
+
+#: pytorch/examples imagenet main.py shape: spawns only with
+#: --multiprocessing-distributed, else reads RANK/WORLD_SIZE as torchrun sets them.
+IMAGENET = """
+import os
+import torch.multiprocessing as mp
+
+def main(args):
+    if args.dist_url == "env://" and args.world_size == -1:
+        args.world_size = int(os.environ["WORLD_SIZE"])
+    if args.multiprocessing_distributed:
+        mp.spawn(main_worker, nprocs=4, args=(4, args))
+    else:
+        main_worker(0, 4, args)
+
+def main_worker(gpu, ngpus, args):
+    if args.dist_url == "env://" and args.rank == -1:
+        args.rank = int(os.environ["RANK"])
+"""
+
+
+@pytest.mark.parametrize(("source", "line", "call"), [
+    (TUTORIAL, 17, "mp.spawn"),
+    (DETECTRON2, 9, "launch"),
+    ("import torch\ntorch.multiprocessing.spawn(print, nprocs=2)\n", 2, "torch.multiprocessing.spawn"),
+    ("from torch.multiprocessing import start_processes as sp\nsp(print, nprocs=2, start_method='fork')\n",
+     2, "sp"),
+    ("from torch import multiprocessing as tmp\n\n\ntmp.spawn(print)\n", 4, "tmp.spawn"),
+])
+def test_scripts_that_start_their_own_workers(source: str, line: int, call: str) -> None:
+    found = self_launch(textwrap.dedent(source))
+    assert found is not None and (found.line, found.call) == (line, call)
+
+
+@pytest.mark.parametrize("source", [
+    IMAGENET,  # reads RANK / WORLD_SIZE when torchrun runs it
+    TUTORIAL.replace("import os", "import os\nimport accelerate"),  # a framework that reads the env
+    TUTORIAL.replace("def setup", "parser.add_argument('--local_rank', type=int)\ndef setup"),
+    "import multiprocessing as mp\nmp.Pool(4).map(print, range(4))\n",  # a worker pool, not ranks
+    "import torch.multiprocessing as mp\nmp.set_start_method('spawn')\n",  # no spawn call
+    "def spawn(x):\n    pass\nspawn(1)\n",  # a function of its own named spawn
+    "this is not python (\n",
+])
+def test_scripts_left_alone(source: str) -> None:
+    assert self_launch(textwrap.dedent(source)) is None
+
+
+def test_note_only_when_the_launcher_starts_several_processes(tmp_path: Path) -> None:
+    (tmp_path / "tut.py").write_text(TUTORIAL)
+    note = self_launch_note("tut.py", tmp_path, launcher="torchrun", nproc=8)
+    assert note and note.startswith("tut.py:17 starts its own worker processes (mp.spawn)")
+    assert "--launcher command tut.py" in note and "8 processes per node" in note
+    assert self_launch_note("tut.py", tmp_path, launcher="torchrun", nproc=1) is None
+    assert self_launch_note("tut.py", tmp_path, launcher="command", nproc=8) is None
+    assert self_launch_note("missing.py", tmp_path, launcher="torchrun", nproc=8) is None
+
+
+def test_run_names_the_self_launching_script_before_it_starts(tmp_path: Path) -> None:
+    # The tutorial would hang under torchrun with 2 processes (4 workers, one
+    # rendezvous for 2); the script here exits at once, so only the notice is
+    # under test, and that the run still goes ahead (it is advice, not a refusal).
+    (tmp_path / "tut.py").write_text(TUTORIAL.replace("    mp.spawn(", "    print('started', flush=True)\n    0 and mp.spawn("))
+    res = subprocess.run(CORRAL + ["run", "--nproc-per-node", "2", "tut.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "tut.py:18 starts its own worker processes (mp.spawn)" in res.stderr
+    assert (res.stdout + res.stderr).count("started") == 2
