@@ -247,7 +247,9 @@ class Runner:
         if self.attempt is None:
             return {"error": "the job has not started yet"}
         dumps = await collect_stacks(self.attempt.pool)
-        return {"run_id": self.spec.run_id, "world_size": self.attempt.plan.world_size,
+        plan = self.attempt.plan
+        return {"run_id": self.spec.run_id, "world_size": plan.world_size,
+                "master_addr": plan.master_addr, "master_port": plan.master_port,
                 "stacks": {stack_key_text(k): v for k, v in dumps.items()}}
 
     async def _hang(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:

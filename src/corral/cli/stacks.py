@@ -13,7 +13,7 @@ from corral.control import request
 from corral.errors import CorralError
 from corral.logs import default_runs_dir
 from corral.runs import find_run
-from corral.stacks import fold_keys, numbered, parse_key, stack_report
+from corral.stacks import fold_keys, numbered, parse_key, rendezvous_note, stack_report
 
 
 @click.command(name="stacks")
@@ -48,6 +48,10 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
     started = len(numbered(dumps)) - ranks  # not multiprocessing's own helpers
     more = f" (and {started} Python process(es) they started)" if started else ""
     con.print(f"[bold]run {rec.run_id}[/]: {ranks} rank(s) answered{more}")
+    if answer.get("master_addr"):
+        note = rendezvous_note(dumps, answer["master_addr"], int(answer.get("master_port") or 0))
+        if note:
+            lines.append(note)
     for line in lines:
         con.print(escape(line), soft_wrap=True)
     if odd:
