@@ -113,3 +113,11 @@ def test_run_names_the_self_launching_script_before_it_starts(tmp_path: Path) ->
     assert res.returncode == 0, res.stderr[-2000:]
     assert "tut.py:18 starts its own worker processes (mp.spawn)" in res.stderr
     assert (res.stdout + res.stderr).count("started") == 2
+
+
+def test_dry_run_shows_the_note(tmp_path: Path) -> None:
+    (tmp_path / "tut.py").write_text(TUTORIAL)
+    res = subprocess.run(CORRAL + ["run", "--dry-run", "--nproc-per-node", "2", "tut.py"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    assert "tut.py:17 starts its own worker processes (mp.spawn)" in " ".join(res.stdout.split())

@@ -21,6 +21,7 @@ from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
+from corral.scriptcheck import self_launch_note
 
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
 
@@ -231,6 +232,10 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
     if unknown_slots:
         con.print("[yellow]note:[/] some hosts have no slots: processes per node = their GPU count, "
                   "detected at launch (shown here as 1)")
+    note = None if spec.module else self_launch_note(spec.program, Path.cwd(), launcher=spec.launcher,
+                                                       nproc=plan.nodes[0].nproc)
+    if note:
+        con.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     for node in plan.nodes:
         con.print(f"\n[bold]node {node.node_rank}[/] {escape(node.host.name)}  ranks "
                   f"{node.first_rank}-{node.first_rank + node.nproc - 1}  cwd {escape(node.cwd)}")
