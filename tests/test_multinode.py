@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -503,4 +504,40 @@ def test_missing_interpreter_on_one_node_is_named(sandbox, tmp_path: Path) -> No
     assert res.returncode == 3
     assert f"{victim}: cannot run the interpreter '/opt/nowhere/bin/python3'" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+    assert_clean(sandbox, within=5)
+
+
+def test_nodes_behind_a_jump_host(sandbox, tmp_path: Path) -> None:
+    # The layout of clusters reached through a login node: the head reaches
+    # only the first node; the others answer through it (ProxyJump in the
+    # user's ssh config).  The head's direct route to the other nodes is cut
+    # (a blackhole route back to the head in each of them), so the run and
+    # exec only work if corral leaves the hop to ssh.
+    first, rest = sandbox.nodes[0], sandbox.nodes[1:]
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Include {sandbox.ssh_config}\nHost {' '.join(rest)}\n    ProxyJump {first}\n")
+    hosts = "".join(f'\n[[hosts]]\nname = "{n}"\n' for n in sandbox.nodes)
+    cluster = tmp_path / "jump.toml"
+    cluster.write_text(f'[cluster]\npython = "{sys.executable}"\nslots = 2\nssh_config = "{config}"\n{hosts}')
+    # Fresh ssh control sockets: no master from another test may carry the connection.
+    env = {**os.environ, "TMPDIR": tempfile.mkdtemp(prefix="pj", dir="/tmp")}
+    try:
+        for node in rest:
+            sandbox.exec(node, ["ip", "route", "add", "blackhole", f"{sandbox.head_address}/32"], check=True)
+        direct = subprocess.run(["ssh", "-F", str(sandbox.ssh_config), "-o", "ConnectTimeout=3", rest[0], "true"],
+                                capture_output=True, text=True, timeout=30)
+        assert direct.returncode == 255, "the direct route was not cut"
+        res = subprocess.run(CORRAL + ["exec", "-c", str(cluster), "--", "hostname"], capture_output=True,
+                             text=True, timeout=60, env=env)
+        assert res.returncode == 0, res.stderr
+        assert all(n in res.stdout for n in sandbox.nodes), res.stdout
+        res = subprocess.run(CORRAL + ["run", "-c", str(cluster), "examples/train_ddp.py", "--epochs", "1"],
+                             cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "8 ranks on 4 node(s)" in res.stderr
+        assert {h for h, _ in re.findall(r"^\[(\w+)/r(\d)\]", res.stdout, re.M)} == set(sandbox.nodes)
+    finally:
+        for node in rest:
+            sandbox.exec(node, ["ip", "route", "del", "blackhole", f"{sandbox.head_address}/32"])
+        shutil.rmtree(env["TMPDIR"], ignore_errors=True)
     assert_clean(sandbox, within=5)
