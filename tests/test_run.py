@@ -548,3 +548,58 @@ def test_a_node_with_another_copy_of_the_script_is_named(tmp_path: Path) -> None
     res = corral(["run", "-c", str(cluster), "--launcher", "command", "train.py"], head)
     assert res.returncode == 0 and "not the same" not in res.stderr, res.stderr
 
+
+
+class _Messages:
+    """A RunView that keeps corral's own messages (library API)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def line(self, host: str, rank: int | None, stream: str, text: str) -> None: ...
+    def status(self, host: str, rank: int | None, text: str) -> None: ...
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+
+    def stopping(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def test_a_quiet_job_without_hang_timeout_is_told_where_its_ranks_are(tmp_path: Path) -> None:
+    # No --hang-timeout: after `quiet_notice` seconds without output corral
+    # says where the ranks are (here: one rank out of the collective) and the
+    # job goes on -- quiet training is not a failure.
+    import asyncio
+
+    from corral.inventory import local_cluster
+    from corral.plan import RunSpec
+    from corral.run import Runner, RunOptions
+
+    write(tmp_path / "quiet.py", """
+        import time
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            time.sleep(3600)      # loading a shard that never comes
+        dist.all_reduce(torch.ones(1))
+    """)
+    view = _Messages()
+    runner = Runner(local_cluster(gpus=0), RunSpec(program="quiet.py", nproc_per_node=2),
+                    RunOptions(runs_dir=tmp_path / "runs", quiet_notice=6), view=view,
+                    head_env=os.environ, head_cwd=str(tmp_path))
+
+    async def run_until_told():
+        task = asyncio.create_task(runner.run())
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("elsewhere" in m for m in view.messages):
+            await asyncio.sleep(0.5)
+        still_running = not task.done()
+        runner.interrupt()
+        return still_running, await task
+
+    still_running, result = asyncio.run(run_until_told())
+    said = "\n".join(view.messages)
+    assert "no rank has written anything for" in said and "the job goes on" in said, said
+    assert "rank 1 elsewhere than the others" in said, said
+    assert still_running and result.status == "interrupted", said
+    assert list((tmp_path / "runs").glob("*/stacks-*.txt"))

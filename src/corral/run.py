@@ -58,6 +58,9 @@ from corral.watch import Failure, JobWatch, Sink
 #: Launchers whose per-node process is torchrun's elastic agent, and the module
 #: each node imports ahead of its job (preloaded ranks need that agent).
 PREWARMED = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.commands.launch"}
+#: Without --hang-timeout: after this long with no output from any rank, say
+#: where the ranks are (then after twice as long again, and so on).
+QUIET_NOTICE_S = 120.0
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,9 @@ class RunOptions:
     keep_node_tmp: bool = False
     #: No output from any rank for this long = a hang: dump every rank's stack, stop.
     hang_timeout: float | None = None
+    #: Without hang_timeout: no output for this long = say where the ranks
+    #: are, and go on (again after twice as long, and so on).
+    quiet_notice: float = QUIET_NOTICE_S
     #: Ranks the user asked to see on the console (--ranks); None = all.  The
     #: world size is known only once every node's GPUs are counted, so a rank
     #: that does not exist is refused here, before anything starts.
@@ -252,6 +258,30 @@ class Runner:
                 "master_addr": plan.master_addr, "master_port": plan.master_port,
                 "stacks": {stack_key_text(k): v for k, v in dumps.items()}}
 
+    async def _quiet(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
+        """No output for a while and no --hang-timeout: a hang or a quiet
+        stretch of training.  Say so, and where the ranks are when that tells
+        something (some ranks apart from the others, or waiting for a
+        rendezvous that is not corral's); the job goes on."""
+        assert self.logs is not None
+        dumps = await collect_stacks(pool)
+        lines, odd = stack_report(dumps, watch.plan.world_size)
+        note = rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
+        path = self.logs.dir / f"stacks-{time.strftime('%H%M%S')}.txt"
+        path.write_text("\n".join(lines) + "\n\n" + "\n".join(
+            f"===== {dump_title(k)} =====\n{t}" for k, t in sorted(dumps.items(), key=lambda kv: stack_order(kv[0]))))
+        minutes = f"{silent / 60:.0f} min" if silent >= 60 else f"{silent:.0f}s"
+        self.view.message(f"no rank has written anything for {minutes}; the job goes on (--hang-timeout N "
+                          f"stops a job silent for N seconds; `corral stacks` shows where the ranks are now; "
+                          f"stacks: {path})")
+        if odd or note:
+            for line in lines:
+                self.view.message("  " + line)
+        if odd:
+            self.view.message(f"{fold_keys(odd)} elsewhere than the others")
+        if note:
+            self.view.message(note)
+
     async def _hang(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
         """No rank made progress: show where every rank is, then fail the job."""
         assert self.logs is not None
@@ -395,6 +425,7 @@ class Runner:
         stop_sent: set[str] = set()
         pending: dict[str, float] = {}
         hard = False
+        quiet_since, quiet_next = watch.last_progress, self.options.quiet_notice
 
         async def stop(s: AgentSession, reason: str) -> None:
             stop_sent.add(s.name)
@@ -417,6 +448,12 @@ class Runner:
             hang = self.options.hang_timeout
             if hang and stopping_since is None and not watch.failed and now - watch.last_progress > hang:
                 await self._hang(pool, watch, now - watch.last_progress)
+            if quiet_since != watch.last_progress:
+                quiet_since, quiet_next = watch.last_progress, self.options.quiet_notice
+            if (not hang and stopping_since is None and not watch.failed and not self.interrupts
+                    and now - watch.last_progress > quiet_next):
+                quiet_next *= 2
+                await self._quiet(pool, watch, now - watch.last_progress)
             if stopping_since is None and (watch.failed or self.interrupts):
                 cause = None if self.interrupts else watch.root_cause()
                 reason = "interrupted" if cause is None else cause.describe()

@@ -55,7 +55,8 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
               help="Seconds between SIGTERM and SIGKILL when stopping the job.")
 @click.option("--hang-timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
               help="If no rank writes anything for this long, dump every rank's Python stack "
-                   "(merged into one tree) and stop the job. See also `corral stacks`.")
+                   "(merged into one tree) and stop the job. Without it, 2 minutes of silence only "
+                   "get a notice (with the tree when some ranks are apart). See also `corral stacks`.")
 @click.option("--launcher-arg", "launcher_args", multiple=True, metavar="ARG",
               help="Extra argument for the launcher itself (e.g. --launcher-arg=--mixed_precision=bf16). Repeatable.")
 @click.option("--fresh-ranks", is_flag=True,
