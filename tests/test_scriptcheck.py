@@ -121,3 +121,20 @@ def test_dry_run_shows_the_note(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 0, res.stderr
     assert "tut.py:17 starts its own worker processes (mp.spawn)" in " ".join(res.stdout.split())
+
+
+def test_one_process_per_node_without_a_node_rank(tmp_path: Path) -> None:
+    # --launcher command on several nodes: a spawning script that is told
+    # nothing of its node would train on each node on its own.
+    (tmp_path / "tut.py").write_text(TUTORIAL)
+    (tmp_path / "train_net.py").write_text(DETECTRON2)
+    note = self_launch_note("tut.py", tmp_path, launcher="command", nproc=1, nnodes=4)
+    assert note and "on 4 nodes each node would start a job of its own" in note
+    assert "--machine-rank '$NODE_RANK'" in note
+    # detectron2 told its node rank on the command line, as docs/run.md shows
+    told = ("train_net.py", "--num-machines", "$NNODES", "--machine-rank", "$NODE_RANK")
+    assert self_launch_note("python", tmp_path, launcher="command", nproc=1, nnodes=4, args=told) is None
+    untold = ("train_net.py", "--num-gpus", "8")
+    note = self_launch_note("python3", tmp_path, launcher="command", nproc=1, nnodes=2, args=untold)
+    assert note and note.startswith("train_net.py:9 starts its own worker processes (launch)")
+    assert self_launch_note("tut.py", tmp_path, launcher="command", nproc=1, nnodes=1) is None

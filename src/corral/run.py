@@ -353,7 +353,8 @@ class Runner:
             if not self._script_checked:
                 self._script_checked = True
                 note = None if self.spec.module else self_launch_note(
-                    self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher, nproc=plan.nodes[0].nproc)
+                    self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher, nproc=plan.nodes[0].nproc,
+                    nnodes=len(plan.nodes), args=self.spec.args)
                 if note:
                     ui.notice(note)
         except BaseException:

@@ -19,12 +19,16 @@ DeepSpeed, transformers) and nothing is said.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 #: Strings whose presence means the script reads its rank as torchrun gives it.
-_ENV_AWARE = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+_ENV_AWARE = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                        "CORRAL_NODE_RANK", "SLURM_PROCID", "SLURM_NODEID", "OMPI_COMM_WORLD_RANK",
                         "--local_rank", "--local-rank"})
+#: A node rank handed to the script on its command line (corral expands these).
+_NODE_RANK_ARGS = ("$NODE_RANK", "${NODE_RANK}", "$CORRAL_NODE_RANK", "${CORRAL_NODE_RANK}", "$RANK", "${RANK}")
 #: Frameworks that read the launcher's environment themselves.
 _ENV_FRAMEWORKS = frozenset({"accelerate", "lightning", "pytorch_lightning", "deepspeed", "transformers",
                              "composer", "ignite", "colossalai", "megatron", "torchtitan"})
@@ -96,10 +100,19 @@ def self_launch(source: str) -> SelfLaunch | None:
     return found
 
 
-def self_launch_note(program: str, workdir: Path, *, launcher: str, nproc: int) -> str | None:
-    """The notice for a self-launching script under a launcher that starts
-    ``nproc`` > 1 processes per node, or None."""
-    if launcher not in ("torchrun", "accelerate", "deepspeed") or nproc < 2 or not program.endswith(".py"):
+def self_launch_note(program: str, workdir: Path, *, launcher: str, nproc: int, nnodes: int = 1,
+                     args: tuple[str, ...] = ()) -> str | None:
+    """The notice for a self-launching script where it will not do what its
+    author meant: under a launcher that starts ``nproc`` > 1 processes per
+    node, or as one process per node on several nodes without being told
+    its node rank (each node would train on its own); None otherwise."""
+    if launcher == "command" and re.fullmatch(r"python[0-9.]*", Path(program).name) and args \
+            and args[0].endswith(".py"):
+        program, args = args[0], args[1:]  # `--launcher command python train_net.py ...`
+    several_per_node = launcher in ("torchrun", "accelerate", "deepspeed") and nproc > 1
+    alone_per_node = (launcher == "command" and nnodes > 1
+                      and not any(m in a for a in args for m in _NODE_RANK_ARGS))
+    if not (several_per_node or alone_per_node) or not program.endswith(".py"):
         return None
     path = Path(program) if Path(program).is_absolute() else workdir / program
     try:
@@ -108,8 +121,14 @@ def self_launch_note(program: str, workdir: Path, *, launcher: str, nproc: int) 
         return None
     if found is None:
         return None
-    return (f"{program}:{found.line} starts its own worker processes ({found.call}) and never reads RANK or "
-            f"LOCAL_RANK: under {launcher} each of the {nproc} processes per node would start a set of its own, "
-            "all waiting on one rendezvous that never fills up. Run it once per node instead: "
-            f"`corral run --launcher command {program} ...` (NODE_RANK, NNODES, MASTER_ADDR and MASTER_PORT "
-            "are set for it), or make it read RANK/LOCAL_RANK/WORLD_SIZE as torchrun sets them")
+    if several_per_node:
+        return (f"{program}:{found.line} starts its own worker processes ({found.call}) and never reads RANK or "
+                f"LOCAL_RANK: under {launcher} each of the {nproc} processes per node would start a set of its "
+                "own, all waiting on one rendezvous that never fills up. Run it once per node instead: "
+                f"`corral run --launcher command {program} ...` (NODE_RANK, NNODES, MASTER_ADDR and MASTER_PORT "
+                "are set for it), or make it read RANK/LOCAL_RANK/WORLD_SIZE as torchrun sets them")
+    return (f"{program}:{found.line} starts its own worker processes ({found.call}) and is given no node rank "
+            f"(it reads no NODE_RANK or RANK, and no '$NODE_RANK' is among its arguments): on {nnodes} nodes "
+            "each node would start a job of its own. Hand it the node's place in the cluster, as its options "
+            "name them, e.g. --num-machines '$NNODES' --machine-rank '$NODE_RANK' "
+            "--dist-url 'tcp://$MASTER_ADDR:$MASTER_PORT' (corral expands these on each node)")

@@ -234,7 +234,8 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
         con.print("[yellow]note:[/] some hosts have no slots: processes per node = their GPU count, "
                   "detected at launch (shown here as 1)")
     note = None if spec.module else self_launch_note(spec.program, Path.cwd(), launcher=spec.launcher,
-                                                       nproc=plan.nodes[0].nproc)
+                                                       nproc=plan.nodes[0].nproc, nnodes=len(plan.nodes),
+                                                       args=spec.args)
     if note:
         con.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     for node in plan.nodes:
