@@ -326,6 +326,10 @@ def test_extra_rules_file_adds_a_rule(tmp_path):
          "nvidia-container-cli: initialization error: load library failed"),
         ("ssh-keygen: generating new host keys", None, None, "ssh-keygen: generating new host keys"),
         ("gpu-node-a: RuntimeError: boom", "gpu-node-a", None, "RuntimeError: boom"),
+        # NeMo-Run: "<job>/<task> [default1]:[rank1]:"; the job name is not a host
+        ("B-nemo-ft3/0 [default1]:[rank1]: RuntimeError: boom", None, 1, "RuntimeError: boom"),
+        ("nemo.collections.llm.api.pretrain/0 [default0]:[rank0]: RuntimeError: world_size (1) is not divisible by 2",
+         None, 0, "RuntimeError: world_size (1) is not divisible by 2"),
     ],
 )
 def test_launcher_prefixes_are_stripped_and_attributed(raw, host, rank, text):
