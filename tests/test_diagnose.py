@@ -166,6 +166,29 @@ def test_other_argparse_errors_are_not_a_local_rank_problem():
                          "train.py: error: unrecognized arguments: --local-batch=4\n") == []
 
 
+def test_a_1d_embedding_weight_outside_deepspeed_is_not_a_zero3_problem():
+    # F.embedding on a 1-D weight in plain single-process code (newlei/FDA#1) ...
+    plain = ('    return torch.embedding(weight, input, padding_idx, scale_grad_by_freq, sparse)\n'
+             "RuntimeError: 'weight' must be 2-D\n")
+    assert diagnose_text(plain) == []
+    # ... and the same error next to ZeRO-3's empty placeholder parameter is one
+    assert diagnose_text(plain + "Parameter containing:\ntensor([], device='cuda:1', dtype=torch.float16)\n"
+                         )[0].rule_id == "zero3-partitioned-param"
+
+
+def test_srun_step_retries_that_end_in_a_step_are_not_a_failure():
+    waited = "srun: Job 23547409 step creation temporarily disabled, retrying (Requested nodes are busy)\n"
+    assert diagnose_text(waited)[0].rule_id == "slurm-step-creation-blocked"
+    assert diagnose_text(waited + "srun: Step created for StepId=23547409.1\n") == []
+
+
+def test_ray_memory_monitor_reporting_no_oom_kills_is_not_an_oom():
+    line = ("(raylet) node_manager.cc:3084: 0 Workers (tasks / actors) killed due to memory pressure (OOM), "
+            "4 Workers crashed due to other reasons at node (ID: b287, IP: 172.28.0.12)")
+    assert "ray-worker-died" not in [d.rule_id for d in diagnose_text(line)]
+    assert diagnose_text(line.replace(": 0 Workers", ": 4 Workers"))[0].rule_id == "ray-worker-died"
+
+
 def test_nccl_without_cuda_says_to_fall_back_to_gloo():
     top = diagnose_path(FIXTURES / "nccl-backend-unavailable.2.log")[0]
     assert top.rule_id == "nccl-backend-unavailable"
@@ -326,6 +349,10 @@ def test_extra_rules_file_adds_a_rule(tmp_path):
          "nvidia-container-cli: initialization error: load library failed"),
         ("ssh-keygen: generating new host keys", None, None, "ssh-keygen: generating new host keys"),
         ("gpu-node-a: RuntimeError: boom", "gpu-node-a", None, "RuntimeError: boom"),
+        # NeMo-Run: "<job>/<task> [default1]:[rank1]:"; the job name is not a host
+        ("B-nemo-ft3/0 [default1]:[rank1]: RuntimeError: boom", None, 1, "RuntimeError: boom"),
+        ("nemo.collections.llm.api.pretrain/0 [default0]:[rank0]: RuntimeError: world_size (1) is not divisible by 2",
+         None, 0, "RuntimeError: world_size (1) is not divisible by 2"),
     ],
 )
 def test_launcher_prefixes_are_stripped_and_attributed(raw, host, rank, text):

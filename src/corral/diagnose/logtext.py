@@ -3,7 +3,8 @@
 Logs reach diagnosis from many launchers, each decorating lines its own way:
 torch's ``[rank3]:``, torchrun's ``--tee`` ``[default0]:``, corral's
 ``[node2/r3]``, ``[r3]`` and ``[node2]``, pdsh's ``node1: `` and ``pdsh@head: node1:``,
-mpirun's ``[1,3]<stdout>:``, srun's ``5: ``, Ray's ``(Worker pid=7)``, NCCL's
+mpirun's ``[1,3]<stdout>:``, srun's ``5: ``, Ray's ``(Worker pid=7)``, NeMo-Run's
+``job/0 [default1]:[rank1]:``, NCCL's
 own ``host:pid:tid [dev]``, pids, dmesg and log timestamps in brackets.  This
 module strips ANSI colour and those prefixes (remembering the host and rank
 they name; a bracketed number is never a host) and splits carriage-return
@@ -51,6 +52,9 @@ _PREFIXES: tuple[re.Pattern[str], ...] = tuple(
         r"^\[(?P<host>[\w.-]*[A-Za-z][\w.-]*):(?P<local>\d+)\]:",  # [host:localrank]:
         # torchrun --tee / torchelastic: [default0]:, [trainer0|0]:
         r"^\[[A-Za-z_]+(?P<local>\d+)(?:\|\d+)?\]:\s?",
+        # NeMo-Run (Slurm / local executors): "<job name>/<task index> [default0]:[rank0]: ...";
+        # the name is the job's, not a host, and the index is the task's, not a rank
+        r"^[A-Za-z][\w.-]*/\d+ (?=\[)",
         r"^\((?:\w+ )?pid=\d+(?:, ip=[\d.]+)?\)\s*",  # Ray: (RayWorker pid=12), (pid=12)
         r"^\d+: ",  # srun --label task number
         rf"^(?P<host>{_HOSTTOKEN}): ",  # pdsh / clush: node1: ...
