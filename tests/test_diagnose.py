@@ -161,6 +161,17 @@ def test_local_rank_argument_says_which_way_round(text, step):
     assert any("--launcher deepspeed" in f for f in top.fix)
 
 
+def test_missing_module_may_be_the_projects_own_file():
+    # pytorch/examples' minGPT-ddp main.py imports its model.py from beside it
+    (top,) = diagnose_text("  File \"/srv/proj/mingpt/main.py\", line 6, in <module>\n"
+                           "    from model import GPT, GPTConfig\n"
+                           "ModuleNotFoundError: No module named 'model'\n")
+    assert top.rule_id == "module-not-found"
+    assert top.fix[0] == "Check on every node, with the launcher's interpreter: `python -c 'import model'`."
+    assert top.fix[1].startswith("If `model` is your own code (a `model.py` file or `model/` package next to the script)")
+    assert "corral run --sync" in top.fix[1]
+
+
 def test_other_argparse_errors_are_not_a_local_rank_problem():
     assert diagnose_text("train.py: error: the following arguments are required: --config\n"
                          "train.py: error: unrecognized arguments: --local-batch=4\n") == []
