@@ -122,12 +122,7 @@ def run(
     env = parse_env_flags(env_flags, os.environ)  # an unset --env NAME before any connection
     cluster = cluster_opts.load()
     if sync_first:
-        from corral.cli.sync import sync_cluster
-        from corral.sync import SyncOptions
-
-        # to --workdir when given (else the cluster file's workdir, else the same path)
-        sync_cluster(cluster, SyncOptions(dry_run=dry_run, to=os.path.expanduser(workdir) if workdir else None),
-                     cwd=Path.cwd(), brief=True)
+        _sync_project(cluster, program=None if module else program, workdir=workdir, dry_run=dry_run)
     spec = RunSpec(
         program=program, args=tuple(args), module=module, launcher=launcher,
         nproc_per_node=nproc_per_node, env=env,
@@ -153,6 +148,30 @@ def run(
         view.close()
     _summary(result, as_json)
     sys.exit(result.exit_code)
+
+
+def _sync_project(cluster, *, program: str | None, workdir: str | None, dry_run: bool) -> None:
+    """``--sync``: the project, to --workdir when given (else the cluster file's
+    workdir, else the same path), and the script itself even when the project's
+    ignore rules leave it out (it is named on the command line, as a path named
+    to `corral sync` is sent even if ignored)."""
+    import dataclasses
+
+    from corral.cli.sync import sync_cluster, with_cluster_workdir
+    from corral.sync import SyncOptions
+    from corral.sync.filelist import left_out, project_root
+
+    cwd = Path.cwd()
+    options = with_cluster_workdir(
+        cluster, SyncOptions(dry_run=dry_run, to=os.path.expanduser(workdir) if workdir else None))
+    rel = left_out(cwd, program) if program else None
+    if rel is not None:
+        root, _ = project_root(cwd)
+        ui.notice(f"sync: {rel} is left out of the project by its ignore rules (.gitignore, "
+                  f".corralignore); sending it too, as the script to run (files it imports from "
+                  f"there are not sent: name them to `corral sync`)")
+        options = dataclasses.replace(options, paths=(str(root), str(root / rel)))
+    sync_cluster(cluster, options, cwd=cwd, brief=True)
 
 
 #: What people type before their script out of habit; corral runs these itself.
