@@ -595,6 +595,9 @@ def test_first_failing_rank_comes_first_even_with_lower_confidence(tmp_path):
 KEYERROR_RUN = FIXTURES / "run-keyerror-rank3"
 # A real 3-node run with --hang-timeout: rank 4 stuck reading a shard, the rest in all_reduce.
 HANG_RUN = FIXTURES / "run-hang-rank4"
+# A real 3-node run with --hang-timeout: every rank in init_process_group with
+# init_method="file:///tmp/ddp_example", a different file on each node.
+HANG_INIT_RUN = FIXTURES / "run-hang-init-filestore"
 
 
 def test_first_failing_ranks_own_exception_comes_first():
@@ -719,6 +722,19 @@ def test_cli_reports_a_hang_and_exits_0():
     data = json.loads(_invoke(str(HANG_RUN), "--json").output)
     assert data["found"] is True and data["hang"]["odd_ranks"] == [4]
     assert data["hang"]["groups"][0]["frame"] == "read_shard hang_rank.py:9"
+
+
+def test_hang_inside_init_process_group_says_the_ranks_never_met():
+    hang = diagnose_run(HANG_INIT_RUN).hang
+    assert hang.in_init and not hang.odd_ranks and not hang.missing
+    assert [g.user_frame for g in hang.groups] == ["setup ddp_file.py:31"]
+    result = _invoke(str(HANG_INIT_RUN))
+    assert result.exit_code == 0, result.output
+    assert "every rank is still inside init_process_group: the ranks never met" in result.output
+    assert "init_method='file://...' on each node's own disk" in result.output
+    assert json.loads(_invoke(str(HANG_INIT_RUN), "--json").output)["hang"]["in_init"] is True
+    # a hang elsewhere (rank 4 reading a shard, the rest in all_reduce) is not one
+    assert diagnose_run(HANG_RUN).hang.in_init is False
 
 
 def test_hang_without_its_stacks_file_uses_run_json(tmp_path):

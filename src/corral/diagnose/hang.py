@@ -62,6 +62,10 @@ class Hang:
     missing: tuple[int, ...] = ()
     #: The stacks file (in the run directory when it is there), if any.
     stacks_file: str | None = None
+    #: Every rank that answered was still inside init_process_group: the ranks
+    #: never met (a file:// init_method on each node's own disk, a tcp:// address
+    #: that is not node 0's, a world size the launch does not match).
+    in_init: bool = False
 
     @property
     def summary(self) -> str:
@@ -83,7 +87,7 @@ class Hang:
     def to_dict(self) -> dict:
         return {"summary": self.summary, "reason": self.reason, "odd_ranks": list(self.odd_ranks),
                 "groups": [g.to_dict() for g in self.groups], "missing": list(self.missing),
-                "stacks_file": self.stacks_file}
+                "stacks_file": self.stacks_file, "in_init": self.in_init}
 
 
 def _on(hosts: tuple[str, ...]) -> str:
@@ -152,8 +156,10 @@ def read_hang(root: Path, record: Mapping[str, Any], rank_hosts: Mapping[int, st
         for (frame, user_frame), ranks in by_place.items()
     ]
     groups.sort(key=lambda g: (not g.odd, -len(g.ranks), g.ranks))
+    in_init = bool(stacks) and all(any(f.func == "init_process_group" for f in frames)
+                                   for frames in stacks.values())
     return Hang(reason=reason, odd_ranks=tuple(sorted(odd)) or odd_from_reason, groups=tuple(groups),
-                missing=missing, stacks_file=str(path))
+                missing=missing, stacks_file=str(path), in_init=in_init)
 
 
 def _unfold(label: str) -> set[int]:
