@@ -1008,6 +1008,22 @@ def test_an_interrupted_run_blames_the_interruption_not_a_peer():
     assert "was interrupted (Ctrl-C or SIGTERM" in out and "Likely cause: A peer rank went away" not in out
 
 
+def test_an_interrupted_run_where_nothing_failed_is_not_an_unknown_failure(tmp_path):
+    """Ctrl-C during a DeepSpeed run's start-up: the launcher's 'received SIGINT' and clean rank logs."""
+    run = tmp_path / "runs" / "20261123-231650-d51c"
+    (run / "node1").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": run.name, "status": "interrupted", "exit_code": 130,
+                                              "hosts": [], "failure": None}))
+    (run / "node1" / "rank0.log").write_text(
+        "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\n")
+    (run / "node1" / "launcher.log").write_text(
+        "[2026-11-23 23:16:59,024] [INFO] [launch.py:253:sigkill_handler] Killing subprocess 477\n"
+        "[2026-11-23 23:16:59,083] [INFO] [launch.py:262:sigkill_handler] Main process received SIGINT, exiting\n")
+    result = _invoke(str(run))
+    assert "No rank had failed before the interruption: nothing to diagnose" in result.output
+    assert "no known failure signature matched" not in result.output and "NCCL_DEBUG" not in result.output
+
+
 def test_no_target_diagnoses_the_newest_run_that_did_not_succeed(tmp_path, monkeypatch):
     monkeypatch.delenv("CORRAL_RUNS_DIR", raising=False)
     monkeypatch.chdir(tmp_path)

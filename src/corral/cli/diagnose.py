@@ -175,6 +175,9 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
             con.print("\n[green]run.json records that this run succeeded: nothing to diagnose.[/]")
         elif report.exception is not None:
             _print_exception(con, report.exception)
+        elif report.status == "interrupted":
+            con.print("\n[green]No rank had failed before the interruption: nothing to diagnose "
+                      "(the logs show how far the run got).[/]")
         else:
             con.print(f"\n[yellow]{escape(_NOTHING)}[/]")
         return
