@@ -21,6 +21,7 @@ from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
+from corral.stacks import fold_ranks
 
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
 
@@ -251,8 +252,8 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
         con.print("[yellow]note:[/] some hosts have no slots: processes per node = their GPU count, "
                   "detected at launch (shown here as 1)")
     for node in plan.nodes:
-        con.print(f"\n[bold]node {node.node_rank}[/] {escape(node.host.name)}  ranks "
-                  f"{node.first_rank}-{node.first_rank + node.nproc - 1}  cwd {escape(node.cwd)}")
+        ranks = fold_ranks(set(range(node.first_rank, node.first_rank + node.nproc)))
+        con.print(f"\n[bold]node {node.node_rank}[/] {escape(node.host.name)}  {ranks}  cwd {escape(node.cwd)}")
         con.print("  argv: " + escape(" ".join(_q(a) for a in node.argv)), soft_wrap=True)
         table = Table(box=None, show_header=False, padding=(0, 1, 0, 4))
         for k in sorted(node.env):
