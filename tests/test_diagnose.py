@@ -172,6 +172,18 @@ def test_missing_module_may_be_the_projects_own_file():
     assert "corral run --sync" in top.fix[1]
 
 
+def test_sigkill_names_the_host_to_check_once():
+    # `corral run` showed "Check node2: dmesg ..." and then "Confirm on that node: dmesg ..."
+    (top,) = diagnose_text("Signal 9 (SIGKILL) received by PID 4242", host="node2")
+    assert top.rule_id == "host-oom-killed"
+    assert top.fix[0] == ("Confirm on node2: `dmesg -T | grep -i -E 'killed process|out of memory'` "
+                          "or `journalctl -k`.")
+    assert sum("dmesg" in step for step in top.fix) == 1
+    (anywhere,) = diagnose_text("Signal 9 (SIGKILL) received by PID 4242")
+    assert anywhere.fix[0].startswith("Confirm on that node: `dmesg")
+    assert sum("dmesg" in step for step in anywhere.fix) == 1
+
+
 def test_other_argparse_errors_are_not_a_local_rank_problem():
     assert diagnose_text("train.py: error: the following arguments are required: --config\n"
                          "train.py: error: unrecognized arguments: --local-batch=4\n") == []
