@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.stacks import fold_ranks, main_stack, stack_report
+from corral.stacks import fold_ranks, main_stack, never_met_note, stack_report
 
 CORRAL = [sys.executable, "-m", "corral"]
 
@@ -99,6 +99,20 @@ def test_ranks_outside_any_collective_are_the_culprits_even_when_most() -> None:
     loader = _dump(("/w/train.py", 28, "<module>"), ("/w/train.py", 12, "load_batch"))
     _, odd = stack_report({0: backward, 1: backward, 2: loader, 3: backward}, world_size=4)
     assert odd == {2}
+
+
+def test_every_rank_inside_init_process_group_never_met() -> None:
+    # a real 3-node hang: init_method="file:///tmp/ddp_example", a different file on each node
+    from corral.diagnose.hang import parse_stacks_file
+
+    stacks_file = Path(__file__).parent / "fixtures" / "diagnose" / "run-hang-init-filestore" / "stacks-230959.txt"
+    dumps = parse_stacks_file(stacks_file.read_text())
+    assert sorted(dumps) == [0, 1, 2]
+    note = never_met_note(dumps, world_size=3)
+    assert note is not None and note.startswith("Every rank is still inside init_process_group: the ranks never met")
+    assert never_met_note(dumps, world_size=4) is None  # rank 3 left no stack: look at it instead
+    elsewhere = {**dumps, 2: real_dump("load_batch")}
+    assert never_met_note(elsewhere, world_size=3) is None
 
 
 def test_fold_ranks() -> None:

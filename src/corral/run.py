@@ -42,7 +42,7 @@ from corral.logs import RunLogs
 from corral.model import Cluster
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan
 from corral.preflight import choose_master, local_disk_warning, preflight
-from corral.stacks import fold_ranks, rendezvous_note, stack_report
+from corral.stacks import fold_ranks, never_met_note, rendezvous_note, stack_report
 from corral.watch import Failure, JobWatch, Sink
 
 #: Launchers whose per-node process is torchrun's elastic agent, and the module
@@ -245,7 +245,8 @@ class Runner:
         self.view.message(f"no rank wrote anything for {silent:.0f}s: collecting every rank's Python stack")
         dumps = await collect_stacks(pool)
         lines, odd = stack_report(dumps, watch.plan.world_size)
-        note = rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
+        note = (rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
+                or never_met_note(dumps, watch.plan.world_size))
         if note:
             lines.append(note)
         path = self.logs.dir / f"stacks-{time.strftime('%H%M%S')}.txt"

@@ -23,6 +23,7 @@ from corral.diagnose.pyexc import basename
 from corral.diagnose.rundir import resolve_target
 from corral.errors import UsageError
 from corral.logs import default_runs_dir
+from corral.stacks import NEVER_MET
 
 #: Causes shown without --all.
 _DEFAULT_SHOWN = 3
@@ -309,12 +310,7 @@ def _print_hang(con, n: int, report: RunReport) -> None:
         con.print("   [cyan]next:[/] the ranks are in different places and none is the odd one out: "
                   "the group outside the collective (its inner frame above) is the one to look at.")
     elif hang.in_init and not hang.missing:
-        con.print("   [cyan]next:[/] every rank is still inside init_process_group: the ranks never met. "
-                  "The rendezvous the script gives it is not one they all share: an init_method='file://...' "
-                  "on each node's own disk (every node gets its own file: use a path on a filesystem all nodes "
-                  "share, or env:// with the MASTER_ADDR and MASTER_PORT the launcher sets), a tcp:// address "
-                  "that is not node 0's, or a world_size or rank that does not match the launch "
-                  "(take them from WORLD_SIZE and RANK).")
+        con.print(f"   [cyan]next:[/] {escape(NEVER_MET)}")
     elif hang.groups:
         con.print("   [cyan]next:[/] every rank that answered is at the same place; a rank that left no "
                   "stack, or a peer they all wait for, is the one to look at.")

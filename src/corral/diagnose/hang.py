@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.diagnose.pyexc import is_library
-from corral.stacks import fold_ranks, main_stack, merge, odd_ones_out
+from corral.stacks import fold_ranks, in_init, main_stack, merge, odd_ones_out
 
 _RANK_HEADER = re.compile(r"^===== rank (\d+) =====\s*$", re.MULTILINE)
 _ELSEWHERE = re.compile(r"(ranks? [\d,-]+) elsewhere than the others")
@@ -156,10 +156,8 @@ def read_hang(root: Path, record: Mapping[str, Any], rank_hosts: Mapping[int, st
         for (frame, user_frame), ranks in by_place.items()
     ]
     groups.sort(key=lambda g: (not g.odd, -len(g.ranks), g.ranks))
-    in_init = bool(stacks) and all(any(f.func == "init_process_group" for f in frames)
-                                   for frames in stacks.values())
     return Hang(reason=reason, odd_ranks=tuple(sorted(odd)) or odd_from_reason, groups=tuple(groups),
-                missing=missing, stacks_file=str(path), in_init=in_init)
+                missing=missing, stacks_file=str(path), in_init=in_init(stacks))
 
 
 def _unfold(label: str) -> set[int]:
