@@ -71,13 +71,19 @@ async def serve(path: Path, handler: Handler) -> asyncio.base_events.Server:
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = (await asyncio.wait_for(reader.readline(), 5)).decode().strip()
-            answer = await handler(request)
-        except Exception as e:  # noqa: BLE001 - report to the client, keep serving
-            answer = {"error": f"{type(e).__name__}: {e}"}
-        writer.write((json.dumps(answer) + "\n").encode())
-        await writer.drain()
-        writer.close()
+            try:
+                request = (await asyncio.wait_for(reader.readline(), 5)).decode().strip()
+                if not request:
+                    return  # connected and left: a liveness probe (`corral stacks` looking for runs)
+                answer = await handler(request)
+            except Exception as e:  # noqa: BLE001 - report to the client, keep serving
+                answer = {"error": f"{type(e).__name__}: {e}"}
+            writer.write((json.dumps(answer) + "\n").encode())
+            await writer.drain()
+        except ConnectionError:
+            pass  # the client left before its answer (Ctrl-C on `corral stacks`): not the run's problem
+        finally:
+            writer.close()
 
     if path.exists():
         path.unlink()
