@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.control import control_path, request, serve
+from corral.control import control_path, live_controls, request, serve
 from corral.errors import CorralError
 
 
@@ -94,8 +94,8 @@ def test_clients_that_leave_early_print_nothing_into_the_run(tmpdir_env) -> None
 
         server = await serve(path, handler)
         try:
-            _, probe = await asyncio.open_unix_connection(str(path))
-            probe.close()  # connected and left
+            found = await asyncio.to_thread(live_controls)
+            assert found.get("20260101-000000-abcd") == path
             _, writer = await asyncio.open_unix_connection(str(path))
             writer.write(b"stacks\n")
             await writer.drain()

@@ -174,6 +174,34 @@ def test_corral_stacks_on_a_running_job(tmp_path: Path) -> None:
     assert res.returncode != 0 and "no running run" in res.stderr
 
 
+def test_corral_stacks_from_another_directory(tmp_path: Path) -> None:
+    # the run's directory is under where `corral run` was started; a second shell is elsewhere
+    started, elsewhere = tmp_path / "project", tmp_path / "home"
+    started.mkdir()
+    elsewhere.mkdir()
+    (started / "hang.py").write_text(textwrap.dedent(HANG.format(rank=0)))
+    proc = subprocess.Popen(CORRAL + ["run", "hang.py"], cwd=started, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not list((started / "runs").glob("*/run.json")):
+            time.sleep(0.5)
+        run_id = next((started / "runs").glob("*/run.json")).parent.name
+        res = None
+        while time.monotonic() < deadline:
+            time.sleep(1)
+            res = subprocess.run(CORRAL + ["stacks", run_id[:15], "--json"], cwd=elsewhere, capture_output=True,
+                                 text=True, timeout=60, check=False)
+            if res.returncode == 0 and "load_batch" in json.loads(res.stdout)["stacks"].get("0", ""):
+                break
+        assert res is not None and res.returncode == 0, res and res.stderr
+        assert json.loads(res.stdout)["run_id"] == run_id
+        assert f"run {run_id} is not in {elsewhere / 'runs'}: found it by its control socket" in res.stderr
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+
 @pytest.mark.sandbox
 def test_planted_hang_on_the_sandbox_names_the_rank(sandbox) -> None:
     repo = Path(__file__).resolve().parents[1]

@@ -46,6 +46,29 @@ def control_path(run_id: str) -> Path:
         hint="set TMPDIR to a short writable directory, e.g. TMPDIR=/tmp")
 
 
+def live_controls() -> dict[str, Path]:
+    """Run id -> control socket of every run of this user whose head is
+    listening now, wherever it was started (its run directory is under the
+    directory `corral run` was started in, which another shell may not be in)."""
+    found: dict[str, Path] = {}
+    for tmp in (tempfile.gettempdir(), "/tmp"):
+        base = Path(tmp) / f"corral-{os.getuid()}" / "ctl"
+        for path in sorted(base.glob("*.sock")) if base.is_dir() else ():
+            run_id = path.name[: -len(".sock")]
+            if run_id in found:
+                continue
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(1.0)
+            try:
+                s.connect(str(path))
+            except OSError:
+                continue  # left behind by a head that was killed
+            finally:
+                s.close()
+            found[run_id] = path
+    return found
+
+
 async def collect_stacks(pool: AgentPool, timeout: float = 3.0) -> dict[int, str]:
     """faulthandler dumps of every rank on every node: {global rank: text}."""
 

@@ -9,8 +9,8 @@ import click
 from rich.markup import escape
 
 from corral import ui
-from corral.control import request
-from corral.errors import CorralError
+from corral.control import live_controls, request
+from corral.errors import CorralError, UsageError
 from corral.logs import default_runs_dir
 from corral.runs import find_run
 from corral.stacks import stack_report
@@ -25,28 +25,48 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
     """Dump the Python stack of every rank of a running job, merged into a tree.
 
     RUN is a run id (or its prefix) or a run directory; default: the newest
-    running run in ./runs.  Ranks with the same stack share a branch labelled
+    running run in ./runs, else your one running run started from another
+    directory (found by its control socket).  Ranks with the same stack share a branch labelled
     with their rank set, so the rank that is somewhere else stands out.  Works
     without root or py-spy: the ranks dump themselves (faulthandler), even
     while blocked in a collective.
     """
-    rec = find_run(runs_dir or default_runs_dir(Path.cwd()), run)
-    if rec.status != "running" or not rec.data.get("control"):
-        raise CorralError(f"run {rec.run_id} is not running (status: {rec.status})",
-                          hint="stacks come from live ranks; for a finished run see `corral diagnose`")
-    answer = request(rec.data["control"], "stacks")
+    run_id, control = _find_live(runs_dir or default_runs_dir(Path.cwd()), run)
+    answer = request(control, "stacks")
     if "error" in answer:
-        raise CorralError(f"run {rec.run_id}: {answer['error']}")
+        raise CorralError(f"run {run_id}: {answer['error']}")
     dumps = {int(k): v for k, v in answer.get("stacks", {}).items()}
     if as_json:
-        click.echo(json.dumps({"run_id": rec.run_id, "stacks": answer.get("stacks", {})}, indent=2))
+        click.echo(json.dumps({"run_id": run_id, "stacks": answer.get("stacks", {})}, indent=2))
         return
     lines, odd = stack_report(dumps, int(answer.get("world_size") or len(dumps)))
     con = ui.console()
-    con.print(f"[bold]run {rec.run_id}[/]: {len(dumps)} rank(s) answered")
+    con.print(f"[bold]run {run_id}[/]: {len(dumps)} rank(s) answered")
     for line in lines:
         con.print(escape(line), soft_wrap=True)
     if odd:
         from corral.stacks import fold_ranks
 
         con.print(f"[yellow]{fold_ranks(odd)} not where the others are[/]")
+
+
+def _find_live(root: Path, run: str | None) -> tuple[str, str]:
+    """The run to ask: from the runs directory, else (a run started from
+    another directory) the one live run of this user, found by its control socket."""
+    try:
+        rec = find_run(root, run)
+    except UsageError:
+        live = live_controls()
+        picked = [r for r in live if run is None or r.startswith(run)]
+        if len(picked) == 1:
+            ui.notice(f"run {picked[0]} is not in {root}: found it by its control socket")
+            return picked[0], str(live[picked[0]])
+        if len(picked) > 1:
+            raise UsageError(f"no running run in {root}, and {len(picked)} runs of yours are running "
+                             f"elsewhere: {', '.join(picked)}", hint="give one: `corral stacks RUN_ID`") from None
+        raise
+    if rec.status != "running" or not rec.data.get("control"):
+        raise CorralError(f"run {rec.run_id} is not running (status: {rec.status})",
+                          hint="stacks come from live ranks; for a finished run see `corral diagnose`")
+    return rec.run_id, rec.data["control"]
+
