@@ -90,6 +90,15 @@ def test_run_refuses_a_launcher_typed_as_the_program(tmp_path: Path) -> None:
     assert _run_cli(tmp_path, "--dry-run", "--launcher", "command", "python3", "x.py").exit_code == 0
 
 
+def test_dry_run_names_each_nodes_ranks(tmp_path: Path) -> None:
+    # one process per node read "ranks 0-0"
+    res = _run_cli(tmp_path, "--dry-run", "-H", "nodea:1,nodeb:1", "t.py")
+    assert res.exit_code == 0, res.output
+    assert "nodea  rank 0  cwd" in res.output and "nodeb  rank 1  cwd" in res.output
+    res = _run_cli(tmp_path, "--dry-run", "-H", "nodea:2,nodeb:2", "t.py")
+    assert "nodea  ranks 0-1  cwd" in res.output and "nodeb  ranks 2-3  cwd" in res.output
+
+
 def test_run_refuses_launcher_args_corral_sets_itself(tmp_path: Path) -> None:
     """--standalone on a multi-node cluster waited 10 minutes for nodes that never came."""
     for launcher, arg, says in (("torchrun", "--standalone", "static rendezvous"),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.control import control_path, request, serve
+from corral.control import control_path, live_controls, request, serve
 from corral.errors import CorralError
 
 
@@ -74,3 +74,39 @@ def test_no_usable_directory_is_a_named_error(tmp_path: Path, tmpdir_env, monkey
     with pytest.raises(CorralError) as e:
         control_path("20260101-000000-abcd")
     assert "over 100 bytes" in e.value.message and "TMPDIR" in (e.value.hint or "")
+
+
+def test_clients_that_leave_early_print_nothing_into_the_run(tmpdir_env) -> None:
+    """A liveness probe, and a `corral stacks` stopped while the ranks dump, used to print
+    asyncio's 'Unhandled exception in client_connected_cb ... ConnectionResetError' into the
+    output of the run being inspected."""
+    short = Path(tempfile.mkdtemp(prefix="cc", dir="/tmp"))
+    tmpdir_env(short)
+    path = control_path("20260101-000000-abcd")
+
+    async def go() -> list[dict]:
+        errors: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+
+        async def handler(req: str) -> dict:
+            await asyncio.sleep(0.3)  # the ranks take a moment to dump their stacks
+            return {"stacks": {"0": "x" * 200_000}}
+
+        server = await serve(path, handler)
+        try:
+            found = await asyncio.to_thread(live_controls)
+            assert found.get("20260101-000000-abcd") == path
+            _, writer = await asyncio.open_unix_connection(str(path))
+            writer.write(b"stacks\n")
+            await writer.drain()
+            writer.close()  # gone before the answer
+            await asyncio.sleep(0.6)
+            assert (await asyncio.to_thread(request, str(path), "stacks"))["stacks"]["0"] == "x" * 200_000
+        finally:
+            server.close()
+            path.unlink(missing_ok=True)
+        return errors
+
+    assert asyncio.run(go()) == []
+    shutil.rmtree(short)
+

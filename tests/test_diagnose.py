@@ -161,6 +161,29 @@ def test_local_rank_argument_says_which_way_round(text, step):
     assert any("--launcher deepspeed" in f for f in top.fix)
 
 
+def test_missing_module_may_be_the_projects_own_file():
+    # pytorch/examples' minGPT-ddp main.py imports its model.py from beside it
+    (top,) = diagnose_text("  File \"/srv/proj/mingpt/main.py\", line 6, in <module>\n"
+                           "    from model import GPT, GPTConfig\n"
+                           "ModuleNotFoundError: No module named 'model'\n")
+    assert top.rule_id == "module-not-found"
+    assert top.fix[0] == "Check on every node, with the launcher's interpreter: `python -c 'import model'`."
+    assert top.fix[1].startswith("If `model` is your own code (a `model.py` file or `model/` package next to the script)")
+    assert "corral run --sync" in top.fix[1]
+
+
+def test_sigkill_names_the_host_to_check_once():
+    # `corral run` showed "Check node2: dmesg ..." and then "Confirm on that node: dmesg ..."
+    (top,) = diagnose_text("Signal 9 (SIGKILL) received by PID 4242", host="node2")
+    assert top.rule_id == "host-oom-killed"
+    assert top.fix[0] == ("Confirm on node2: `dmesg -T | grep -i -E 'killed process|out of memory'` "
+                          "or `journalctl -k`.")
+    assert sum("dmesg" in step for step in top.fix) == 1
+    (anywhere,) = diagnose_text("Signal 9 (SIGKILL) received by PID 4242")
+    assert anywhere.fix[0].startswith("Confirm on that node: `dmesg")
+    assert sum("dmesg" in step for step in anywhere.fix) == 1
+
+
 def test_other_argparse_errors_are_not_a_local_rank_problem():
     assert diagnose_text("train.py: error: the following arguments are required: --config\n"
                          "train.py: error: unrecognized arguments: --local-batch=4\n") == []
@@ -611,6 +634,9 @@ def test_first_failing_rank_comes_first_even_with_lower_confidence(tmp_path):
 KEYERROR_RUN = FIXTURES / "run-keyerror-rank3"
 # A real 3-node run with --hang-timeout: rank 4 stuck reading a shard, the rest in all_reduce.
 HANG_RUN = FIXTURES / "run-hang-rank4"
+# A real 3-node run with --hang-timeout: every rank in init_process_group with
+# init_method="file:///tmp/ddp_example", a different file on each node.
+HANG_INIT_RUN = FIXTURES / "run-hang-init-filestore"
 
 
 def test_first_failing_ranks_own_exception_comes_first():
@@ -735,6 +761,19 @@ def test_cli_reports_a_hang_and_exits_0():
     data = json.loads(_invoke(str(HANG_RUN), "--json").output)
     assert data["found"] is True and data["hang"]["odd_ranks"] == [4]
     assert data["hang"]["groups"][0]["frame"] == "read_shard hang_rank.py:9"
+
+
+def test_hang_inside_init_process_group_says_the_ranks_never_met():
+    hang = diagnose_run(HANG_INIT_RUN).hang
+    assert hang.in_init and not hang.odd_ranks and not hang.missing
+    assert [g.user_frame for g in hang.groups] == ["setup ddp_file.py:31"]
+    result = _invoke(str(HANG_INIT_RUN))
+    assert result.exit_code == 0, result.output
+    assert "every rank is still inside init_process_group: the ranks never met" in result.output
+    assert "init_method='file://...' on each node's own disk" in result.output
+    assert json.loads(_invoke(str(HANG_INIT_RUN), "--json").output)["hang"]["in_init"] is True
+    # a hang elsewhere (rank 4 reading a shard, the rest in all_reduce) is not one
+    assert diagnose_run(HANG_RUN).hang.in_init is False
 
 
 def test_hang_without_its_stacks_file_uses_run_json(tmp_path):
@@ -1006,6 +1045,22 @@ def test_an_interrupted_run_blames_the_interruption_not_a_peer():
     assert all(d.consequence for d in report.diagnoses if d.symptom)
     out = _invoke(str(run)).output
     assert "was interrupted (Ctrl-C or SIGTERM" in out and "Likely cause: A peer rank went away" not in out
+
+
+def test_an_interrupted_run_where_nothing_failed_is_not_an_unknown_failure(tmp_path):
+    """Ctrl-C during a DeepSpeed run's start-up: the launcher's 'received SIGINT' and clean rank logs."""
+    run = tmp_path / "runs" / "20261123-231650-d51c"
+    (run / "node1").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": run.name, "status": "interrupted", "exit_code": 130,
+                                              "hosts": [], "failure": None}))
+    (run / "node1" / "rank0.log").write_text(
+        "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\n")
+    (run / "node1" / "launcher.log").write_text(
+        "[2026-11-23 23:16:59,024] [INFO] [launch.py:253:sigkill_handler] Killing subprocess 477\n"
+        "[2026-11-23 23:16:59,083] [INFO] [launch.py:262:sigkill_handler] Main process received SIGINT, exiting\n")
+    result = _invoke(str(run))
+    assert "No rank had failed before the interruption: nothing to diagnose" in result.output
+    assert "no known failure signature matched" not in result.output and "NCCL_DEBUG" not in result.output
 
 
 def test_no_target_diagnoses_the_newest_run_that_did_not_succeed(tmp_path, monkeypatch):

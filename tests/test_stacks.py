@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.stacks import fold_keys, fold_ranks, main_stack, parse_key, stack_report
+from corral.stacks import fold_keys, fold_ranks, main_stack, never_met_note, parse_key, stack_report
 
 CORRAL = [sys.executable, "-m", "corral"]
 
@@ -99,6 +99,20 @@ def test_ranks_outside_any_collective_are_the_culprits_even_when_most() -> None:
     loader = _dump(("/w/train.py", 28, "<module>"), ("/w/train.py", 12, "load_batch"))
     _, odd = stack_report({0: backward, 1: backward, 2: loader, 3: backward}, world_size=4)
     assert odd == {2}
+
+
+def test_every_rank_inside_init_process_group_never_met() -> None:
+    # a real 3-node hang: init_method="file:///tmp/ddp_example", a different file on each node
+    from corral.diagnose.hang import parse_stacks_file
+
+    stacks_file = Path(__file__).parent / "fixtures" / "diagnose" / "run-hang-init-filestore" / "stacks-230959.txt"
+    dumps = parse_stacks_file(stacks_file.read_text())
+    assert sorted(dumps) == [0, 1, 2]
+    note = never_met_note(dumps, world_size=3)
+    assert note is not None and note.startswith("Every rank is still inside init_process_group: the ranks never met")
+    assert never_met_note(dumps, world_size=4) is None  # rank 3 left no stack: look at it instead
+    elsewhere = {**dumps, 2: real_dump("load_batch")}
+    assert never_met_note(elsewhere, world_size=3) is None
 
 
 def test_fold_ranks() -> None:
@@ -197,6 +211,34 @@ def test_corral_stacks_on_a_running_job(tmp_path: Path) -> None:
         proc.wait(timeout=30)
     res = subprocess.run(CORRAL + ["stacks"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.returncode != 0 and "no running run" in res.stderr
+
+
+def test_corral_stacks_from_another_directory(tmp_path: Path) -> None:
+    # the run's directory is under where `corral run` was started; a second shell is elsewhere
+    started, elsewhere = tmp_path / "project", tmp_path / "home"
+    started.mkdir()
+    elsewhere.mkdir()
+    (started / "hang.py").write_text(textwrap.dedent(HANG.format(rank=0)))
+    proc = subprocess.Popen(CORRAL + ["run", "hang.py"], cwd=started, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not list((started / "runs").glob("*/run.json")):
+            time.sleep(0.5)
+        run_id = next((started / "runs").glob("*/run.json")).parent.name
+        res = None
+        while time.monotonic() < deadline:
+            time.sleep(1)
+            res = subprocess.run(CORRAL + ["stacks", run_id[:15], "--json"], cwd=elsewhere, capture_output=True,
+                                 text=True, timeout=60, check=False)
+            if res.returncode == 0 and "load_batch" in json.loads(res.stdout)["stacks"].get("0", ""):
+                break
+        assert res is not None and res.returncode == 0, res and res.stderr
+        assert json.loads(res.stdout)["run_id"] == run_id
+        assert f"run {run_id} is not in {elsewhere / 'runs'}: found it by its control socket" in res.stderr
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
 
 
 @pytest.mark.sandbox

@@ -207,6 +207,20 @@ def test_named_paths_narrow_the_project_and_an_ignored_dir_is_walked(tmp_path: P
         filelist.build_units(root, (), to="relative/dir")
 
 
+def test_a_script_the_ignore_rules_leave_out_is_named(tmp_path: Path) -> None:
+    # `corral run --sync scratch/x.py` must know the project's sync does not send x.py
+    root = make_project(tmp_path / "p")
+    (root / "data" / "prep.py").write_text("print('prep')\n")
+    assert filelist.left_out(root, "scratch/x.py") == "scratch/x.py"  # .corralignore
+    assert filelist.left_out(root / "data", "prep.py") == "data/prep.py"  # .gitignore, from a subdirectory
+    assert filelist.left_out(root, "train.py") is None  # sent anyway
+    assert filelist.left_out(root, "missing.py") is None
+    assert filelist.left_out(root, "src") is None  # not a file
+    outside = tmp_path / "elsewhere.py"
+    outside.write_text("x")
+    assert filelist.left_out(root, str(outside)) is None  # not in the project
+
+
 def test_extra_files_that_ignore_rules_match_are_protected(tmp_path: Path) -> None:
     root = make_project(tmp_path / "p")
     unit = filelist.build_units(root)[0]
@@ -474,6 +488,24 @@ def test_run_sync_syncs_before_launching(sandbox, project: Path) -> None:
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "sync: every node has tree" in res.stderr
     assert res.stdout.count("synced-by-run") == len(sandbox.nodes)
+
+
+@pytest.mark.sandbox
+def test_run_sync_sends_the_script_even_when_ignored(sandbox, project: Path) -> None:
+    # data/ is in .gitignore: the project's sync leaves it out, but the script to run goes
+    (project / "data" / "hello.py").write_text("import os\nprint('hello from', os.environ['RANK'])\n")
+    res = subprocess.run(
+        [*CORRAL, "run", "--sync", "-c", str(sandbox.cluster_file), "-n", "1", "data/hello.py"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "sync: data/hello.py is left out of the project by its ignore rules" in res.stderr
+    assert sorted(ln.split()[-1] for ln in res.stdout.splitlines() if "hello from" in ln) == \
+        [str(r) for r in range(len(sandbox.nodes))]
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,29 @@ def control_path(run_id: str) -> Path:
         hint="set TMPDIR to a short writable directory, e.g. TMPDIR=/tmp")
 
 
+def live_controls() -> dict[str, Path]:
+    """Run id -> control socket of every run of this user whose head is
+    listening now, wherever it was started (its run directory is under the
+    directory `corral run` was started in, which another shell may not be in)."""
+    found: dict[str, Path] = {}
+    for tmp in (tempfile.gettempdir(), "/tmp"):
+        base = Path(tmp) / f"corral-{os.getuid()}" / "ctl"
+        for path in sorted(base.glob("*.sock")) if base.is_dir() else ():
+            run_id = path.name[: -len(".sock")]
+            if run_id in found:
+                continue
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(1.0)
+            try:
+                s.connect(str(path))
+            except OSError:
+                continue  # left behind by a head that was killed
+            finally:
+                s.close()
+            found[run_id] = path
+    return found
+
+
 async def collect_stacks(pool: AgentPool, timeout: float = 3.0) -> dict[StackKey, str]:
     """faulthandler dumps of every rank on every node: {global rank: text},
     and of the Python processes ranks started themselves: {(rank, pid): text}."""
@@ -73,13 +96,19 @@ async def serve(path: Path, handler: Handler) -> asyncio.base_events.Server:
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = (await asyncio.wait_for(reader.readline(), 5)).decode().strip()
-            answer = await handler(request)
-        except Exception as e:  # noqa: BLE001 - report to the client, keep serving
-            answer = {"error": f"{type(e).__name__}: {e}"}
-        writer.write((json.dumps(answer) + "\n").encode())
-        await writer.drain()
-        writer.close()
+            try:
+                request = (await asyncio.wait_for(reader.readline(), 5)).decode().strip()
+                if not request:
+                    return  # connected and left: a liveness probe (`corral stacks` looking for runs)
+                answer = await handler(request)
+            except Exception as e:  # noqa: BLE001 - report to the client, keep serving
+                answer = {"error": f"{type(e).__name__}: {e}"}
+            writer.write((json.dumps(answer) + "\n").encode())
+            await writer.drain()
+        except ConnectionError:
+            pass  # the client left before its answer (Ctrl-C on `corral stacks`): not the run's problem
+        finally:
+            writer.close()
 
     if path.exists():
         path.unlink()

@@ -48,6 +48,7 @@ from corral.stacks import (
     fold_keys,
     fold_ranks,
     key_rank,
+    never_met_note,
     rendezvous_note,
     stack_key_text,
     stack_order,
@@ -266,7 +267,8 @@ class Runner:
         assert self.logs is not None
         dumps = await collect_stacks(pool)
         lines, odd = stack_report(dumps, watch.plan.world_size)
-        note = rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
+        note = (rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
+                or never_met_note(dumps, watch.plan.world_size))
         path = self.logs.dir / f"stacks-{time.strftime('%H%M%S')}.txt"
         path.write_text("\n".join(lines) + "\n\n" + "\n".join(
             f"===== {dump_title(k)} =====\n{t}" for k, t in sorted(dumps.items(), key=lambda kv: stack_order(kv[0]))))
@@ -288,7 +290,8 @@ class Runner:
         self.view.message(f"no rank wrote anything for {silent:.0f}s: collecting every rank's Python stack")
         dumps = await collect_stacks(pool)
         lines, odd = stack_report(dumps, watch.plan.world_size)
-        note = rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
+        note = (rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
+                or never_met_note(dumps, watch.plan.world_size))
         if note:
             lines.append(note)
         path = self.logs.dir / f"stacks-{time.strftime('%H%M%S')}.txt"

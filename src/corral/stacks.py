@@ -299,3 +299,28 @@ def rendezvous_note(dumps: dict[StackKey, str], master_addr: str, master_port: i
             f"{master_addr}:{master_port} (MASTER_ADDR:MASTER_PORT); a script that sets MASTER_ADDR, "
             "MASTER_PORT or init_method='tcp://...' itself waits for a store nobody starts: "
             "use init_method='env://' (the default) and leave those variables to corral")
+
+
+#: What a hang with every rank inside init_process_group (and none still
+#: connecting to a TCP store) means: the ranks never met.
+NEVER_MET = ("every rank is still inside init_process_group: the ranks never met. The rendezvous the "
+             "script gives it is not one they all share: an init_method='file://...' on each node's own "
+             "disk (every node gets its own file: use a path on a filesystem all nodes share, or env:// "
+             "with the MASTER_ADDR and MASTER_PORT the launcher sets), a tcp:// address that is not "
+             "node 0's, or a world_size or rank that does not match the launch (take them from "
+             "WORLD_SIZE and RANK).")
+
+
+def in_init(stacks: dict[int, list[Frame]]) -> bool:
+    """Every rank's main thread is inside init_process_group."""
+    return bool(stacks) and all(any(f.func == "init_process_group" for f in frames)
+                                for frames in stacks.values())
+
+
+def never_met_note(dumps: dict[StackKey, str], world_size: int) -> str | None:
+    """For a live hang: every rank answered from inside init_process_group."""
+    stacks = {r: st for r, st in ((r, main_stack(t)) for r, t in dumps.items() if isinstance(r, int)) if st}
+    if set(stacks) != set(range(world_size)) or not in_init(stacks):
+        return None
+    return NEVER_MET[:1].upper() + NEVER_MET[1:]
+

@@ -23,6 +23,7 @@ from corral.diagnose.pyexc import basename
 from corral.diagnose.rundir import resolve_target
 from corral.errors import UsageError
 from corral.logs import default_runs_dir
+from corral.stacks import NEVER_MET
 
 #: Causes shown without --all.
 _DEFAULT_SHOWN = 3
@@ -175,6 +176,9 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
             con.print("\n[green]run.json records that this run succeeded: nothing to diagnose.[/]")
         elif report.exception is not None:
             _print_exception(con, report.exception)
+        elif report.status == "interrupted":
+            con.print("\n[green]No rank had failed before the interruption: nothing to diagnose "
+                      "(the logs show how far the run got).[/]")
         else:
             con.print(f"\n[yellow]{escape(_NOTHING)}[/]")
         return
@@ -305,6 +309,8 @@ def _print_hang(con, n: int, report: RunReport) -> None:
     elif len(hang.groups) > 1:  # split evenly (e.g. 1 and 1): none is the odd one out
         con.print("   [cyan]next:[/] the ranks are in different places and none is the odd one out: "
                   "the group outside the collective (its inner frame above) is the one to look at.")
+    elif hang.in_init and not hang.missing:
+        con.print(f"   [cyan]next:[/] {escape(NEVER_MET)}")
     elif hang.groups:
         con.print("   [cyan]next:[/] every rank that answered is at the same place; a rank that left no "
                   "stack, or a peer they all wait for, is the one to look at.")

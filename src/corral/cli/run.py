@@ -22,6 +22,7 @@ from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
 from corral.scriptcheck import self_launch_note
+from corral.stacks import fold_ranks
 
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
 
@@ -124,12 +125,7 @@ def run(
     env = parse_env_flags(env_flags, os.environ)  # an unset --env NAME before any connection
     cluster = cluster_opts.load()
     if sync_first:
-        from corral.cli.sync import sync_cluster
-        from corral.sync import SyncOptions
-
-        # to --workdir when given (else the cluster file's workdir, else the same path)
-        sync_cluster(cluster, SyncOptions(dry_run=dry_run, to=os.path.expanduser(workdir) if workdir else None),
-                     cwd=Path.cwd(), brief=True)
+        _sync_project(cluster, program=None if module else program, workdir=workdir, dry_run=dry_run)
     spec = RunSpec(
         program=program, args=tuple(args), module=module, launcher=launcher,
         nproc_per_node=nproc_per_node, env=env,
@@ -155,6 +151,30 @@ def run(
         view.close()
     _summary(result, as_json)
     sys.exit(result.exit_code)
+
+
+def _sync_project(cluster, *, program: str | None, workdir: str | None, dry_run: bool) -> None:
+    """``--sync``: the project, to --workdir when given (else the cluster file's
+    workdir, else the same path), and the script itself even when the project's
+    ignore rules leave it out (it is named on the command line, as a path named
+    to `corral sync` is sent even if ignored)."""
+    import dataclasses
+
+    from corral.cli.sync import sync_cluster, with_cluster_workdir
+    from corral.sync import SyncOptions
+    from corral.sync.filelist import left_out, project_root
+
+    cwd = Path.cwd()
+    options = with_cluster_workdir(
+        cluster, SyncOptions(dry_run=dry_run, to=os.path.expanduser(workdir) if workdir else None))
+    rel = left_out(cwd, program) if program else None
+    if rel is not None:
+        root, _ = project_root(cwd)
+        ui.notice(f"sync: {rel} is left out of the project by its ignore rules (.gitignore, "
+                  f".corralignore); sending it too, as the script to run (files it imports from "
+                  f"there are not sent: name them to `corral sync`)")
+        options = dataclasses.replace(options, paths=(str(root), str(root / rel)))
+    sync_cluster(cluster, options, cwd=cwd, brief=True)
 
 
 #: What people type before their script out of habit; corral runs these itself.
@@ -239,8 +259,8 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
     if note:
         con.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     for node in plan.nodes:
-        con.print(f"\n[bold]node {node.node_rank}[/] {escape(node.host.name)}  ranks "
-                  f"{node.first_rank}-{node.first_rank + node.nproc - 1}  cwd {escape(node.cwd)}")
+        ranks = fold_ranks(set(range(node.first_rank, node.first_rank + node.nproc)))
+        con.print(f"\n[bold]node {node.node_rank}[/] {escape(node.host.name)}  {ranks}  cwd {escape(node.cwd)}")
         con.print("  argv: " + escape(" ".join(_q(a) for a in node.argv)), soft_wrap=True)
         table = Table(box=None, show_header=False, padding=(0, 1, 0, 4))
         for k in sorted(node.env):

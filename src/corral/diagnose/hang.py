@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.diagnose.pyexc import is_library
-from corral.stacks import fold_ranks, main_stack, merge, odd_ones_out
+from corral.stacks import fold_ranks, in_init, main_stack, merge, odd_ones_out
 
 _RANK_HEADER = re.compile(r"^===== rank (\d+) =====\s*$", re.MULTILINE)
 _ELSEWHERE = re.compile(r"(ranks? [\d,-]+) elsewhere than the others")
@@ -62,6 +62,10 @@ class Hang:
     missing: tuple[int, ...] = ()
     #: The stacks file (in the run directory when it is there), if any.
     stacks_file: str | None = None
+    #: Every rank that answered was still inside init_process_group: the ranks
+    #: never met (a file:// init_method on each node's own disk, a tcp:// address
+    #: that is not node 0's, a world size the launch does not match).
+    in_init: bool = False
 
     @property
     def summary(self) -> str:
@@ -83,7 +87,7 @@ class Hang:
     def to_dict(self) -> dict:
         return {"summary": self.summary, "reason": self.reason, "odd_ranks": list(self.odd_ranks),
                 "groups": [g.to_dict() for g in self.groups], "missing": list(self.missing),
-                "stacks_file": self.stacks_file}
+                "stacks_file": self.stacks_file, "in_init": self.in_init}
 
 
 def _on(hosts: tuple[str, ...]) -> str:
@@ -153,7 +157,7 @@ def read_hang(root: Path, record: Mapping[str, Any], rank_hosts: Mapping[int, st
     ]
     groups.sort(key=lambda g: (not g.odd, -len(g.ranks), g.ranks))
     return Hang(reason=reason, odd_ranks=tuple(sorted(odd)) or odd_from_reason, groups=tuple(groups),
-                missing=missing, stacks_file=str(path))
+                missing=missing, stacks_file=str(path), in_init=in_init(stacks))
 
 
 def _unfold(label: str) -> set[int]:

@@ -202,6 +202,21 @@ def project_unit(cwd: Path, to: str | None) -> Unit:
     )
 
 
+def left_out(cwd: Path, name: str) -> str | None:
+    """``name`` (a file here) relative to the project root when it lies in the
+    project but the project's sync leaves it out (git, .corralignore or the
+    defaults ignore it), else None: `corral run --sync scratch/train.py` with
+    ``scratch/`` in .gitignore would otherwise not send the script it runs."""
+    path = Path(os.path.abspath(cwd / name))
+    if not path.is_file():
+        return None
+    root, _ = project_root(cwd)
+    if root not in path.parents:
+        return None
+    rel = path.relative_to(root).as_posix()
+    return None if rel in project_unit(cwd, None).paths else rel
+
+
 def path_units(cwd: Path, names: tuple[str, ...], to: str | None) -> list[Unit]:
     """Units for explicit PATHs: parts of the project, or trees of their own."""
     root, in_git = project_root(cwd)
