@@ -209,8 +209,11 @@ def test_corral_stacks_on_a_running_job(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    res = subprocess.run(CORRAL + ["stacks"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert res.returncode != 0 and "no running run" in res.stderr
+    # Named by id: without one, `corral stacks` would go on to any other run
+    # of this user alive on the machine (found by its control socket).
+    run_id = next((tmp_path / "runs").iterdir()).name
+    res = subprocess.run(CORRAL + ["stacks", run_id], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and f"run {run_id} is not running" in res.stderr, res.stderr
 
 
 def test_corral_stacks_from_another_directory(tmp_path: Path) -> None:
