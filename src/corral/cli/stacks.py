@@ -32,7 +32,7 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
     while blocked in a collective.  A rank that only waits for the Python
     processes it started (mp.spawn) is shown by them: `rank 0 workers 0-3`.
     """
-    run_id, control = _find_live(runs_dir or default_runs_dir(Path.cwd()), run)
+    run_id, control = _find_live(runs_dir or default_runs_dir(Path.cwd()), run, anywhere=runs_dir is None)
     answer = request(control, "stacks")
     if "error" in answer:
         raise CorralError(f"run {run_id}: {answer['error']}")
@@ -57,12 +57,15 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
         con.print(f"[yellow]{fold_keys(odd)} not where the others are[/]")
 
 
-def _find_live(root: Path, run: str | None) -> tuple[str, str]:
+def _find_live(root: Path, run: str | None, *, anywhere: bool = True) -> tuple[str, str]:
     """The run to ask: from the runs directory, else (a run started from
-    another directory) the one live run of this user, found by its control socket."""
+    another directory; not when --runs-dir names one) the one live run of
+    this user, found by its control socket."""
     try:
         rec = find_run(root, run)
     except UsageError:
+        if not anywhere:
+            raise
         live = live_controls()
         picked = [r for r in live if run is None or r.startswith(run)]
         if len(picked) == 1:
