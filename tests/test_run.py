@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -278,6 +280,46 @@ def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
     agents = subprocess.run(["pgrep", "-f", "corral-agent"], capture_output=True, text=True).stdout.split()
     mine = [a for a in agents if Path(f"/proc/{a}/cwd").exists() and str(tmp_path) in os.readlink(f"/proc/{a}/cwd")]
     assert not mine
+
+
+def test_a_second_ctrl_c_still_leaves_nothing_behind(tmp_path: Path) -> None:
+    # Two Ctrl-C in a row (a user who does not wait) drop the channels at
+    # once.  On this machine the agent is the head's own child: it must still
+    # run its teardown (a process the job left in the background, the job's
+    # temporary directory), not be SIGKILLed with its job half-stopped.
+    tmp = Path(tempfile.mkdtemp(prefix="c2", dir="/tmp"))  # the node's $TMPDIR, short for sockets
+    marker = f"corral-test-{os.getpid()}-{time.monotonic_ns()}"
+    write(tmp_path / "helper.py", f"""
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", {marker!r}],
+                         start_new_session=True)   # a tensorboard-like helper, in the background
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen(CORRAL + ["run", "-n", "1", "helper.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if "ready" in line:
+                break
+            assert time.monotonic() < deadline, "the rank never started"
+        jobs = list((tmp / f"corral-{os.getuid()}").glob("*-1"))
+        assert len(jobs) == 1, jobs
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=40)
+        assert proc.returncode == 130
+        left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True, check=False).stdout.split()
+        assert not left, f"the job's background process outlived a double Ctrl-C: {left}"
+        assert not jobs[0].exists(), f"the job's temporary directory was left: {sorted(jobs[0].rglob('*'))}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["pkill", "-f", marker], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["preloaded", "fresh-ranks"])

@@ -250,16 +250,30 @@ class AgentSession:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def kill(self) -> None:
-        """Drop the channel hard: the agent sees EOF and kills its tree."""
+        """Drop the channel hard: the agent sees EOF and kills its tree.
+
+        Over ssh, killing the client closes the channel and the agent on the
+        node tears its job down on EOF.  The local agent *is* the process
+        here: SIGKILL would leave its job's processes and temporary files
+        behind, so it gets SIGTERM (its own teardown, a few seconds), and
+        SIGKILL only if it is still there after that."""
         if self.proc is not None and self.proc.returncode is None:
+            local = self.transport.name == "local"
             try:
-                self.proc.kill()
+                if local:
+                    self.proc.send_signal(signal.SIGTERM)
+                else:
+                    self.proc.kill()
             except ProcessLookupError:
                 pass
             try:
-                await asyncio.wait_for(self.proc.wait(), 5)
+                await asyncio.wait_for(self.proc.wait(), 20 if local else 5)
             except asyncio.TimeoutError:
-                pass
+                if local:
+                    try:
+                        self.proc.kill()
+                    except ProcessLookupError:
+                        pass
         self.closed = True
 
 
