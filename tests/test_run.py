@@ -645,3 +645,25 @@ def test_a_quiet_job_without_hang_timeout_is_told_where_its_ranks_are(tmp_path: 
     assert "rank 1 elsewhere than the others" in said, said
     assert still_running and result.status == "interrupted", said
     assert list((tmp_path / "runs").glob("*/stacks-*.txt"))
+
+
+def test_a_run_that_succeeds_after_a_caught_traceback_says_so(tmp_path: Path) -> None:
+    # The script catches its own error (a missing data file) and exits 0: the
+    # run succeeded, but the summary names the rank and the exception.
+    write(tmp_path / "caught.py", """
+        import os, traceback
+        if os.environ["RANK"] == "1":
+            try:
+                open("/nonexistent/shard-1.bin")
+            except OSError:
+                traceback.print_exc()
+        print("done", flush=True)
+    """)
+    res = corral(["run", "caught.py"], tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "note: rank 1 on" in res.stderr and "printed a traceback and the run still exited 0" in res.stderr
+    assert "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/shard-1.bin'" in res.stderr
+    res = corral(["run", "--json", "caught.py"], tmp_path, timeout=120)
+    caught = json.loads(res.stdout[res.stdout.index("{\n"):])["caught"]
+    assert [(c["rank"], c["exception"].split(":")[0]) for c in caught] == [(1, "FileNotFoundError")]
+    assert Path(caught[0]["log"]).is_file()

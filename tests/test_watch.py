@@ -167,3 +167,21 @@ def test_node_process_stopped_by_the_teardown_is_not_the_cause() -> None:
         _lines(w, "b", 2, text)
         w.event("b", {"ev": "exit", "code": code, "sig": None})
         assert w.root_cause().rank == 1
+
+
+def test_a_caught_traceback_is_kept_per_rank() -> None:
+    # A script that prints a traceback and goes on (or exits 0): the run
+    # succeeds, and the summary says which rank printed what.
+    w = watch()
+    lines = {0: ["step 1", "Traceback (most recent call last):", '  File "t.py", line 3, in <module>',
+                 "    open(p)", "FileNotFoundError: [Errno 2] No such file: 'x'", "",
+                 "During handling of the above exception, another exception occurred:", "",
+                 "Traceback (most recent call last):", "RuntimeError: second"],
+             1: ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "t.py", line 9, in f',
+                 "[rank1]: ValueError: bad shard"],
+             2: ["Traceback (most recent call last) is a phrase in this line"]}
+    for rank, texts in lines.items():
+        for text in texts:
+            w.event("a" if rank < 2 else "b", {"ev": "line", "r": rank, "s": "log", "t": text})
+    assert w.tracebacks == {("a", 0): "FileNotFoundError: [Errno 2] No such file: 'x'",
+                            ("a", 1): "ValueError: bad shard"}

@@ -109,6 +109,9 @@ class RunResult:
     duration_s: float = 0.0
     #: The merged stack tree, when a hang was detected.
     stacks: tuple[str, ...] = ()
+    #: (host, rank, exception line, rank log) of ranks that printed a traceback
+    #: in a run that still succeeded (the script caught its own error).
+    caught: tuple[tuple[str, int, str, str], ...] = ()
 
 
 class RunView(Sink, Protocol):
@@ -523,6 +526,9 @@ class Runner:
             failure=failure, failure_tail=tail, failure_log=failure_log, diagnoses=diagnoses,
             left_early=left_early, hints=hints, restarts=tuple(r["failure"] for r in self.restarts),
             attempts=attempts, duration_s=duration, stacks=self.hang_stacks,
+            caught=tuple((h, r, exc, str(self.logs.path_for(h, r)))
+                         for (h, r), exc in sorted(watch.tracebacks.items(), key=lambda kv: kv[0][1]))
+            if status == "succeeded" else (),
         )
 
     def _env_hint(self, plan: LaunchPlan, failure: Failure, tail: list[str]) -> str | None:

@@ -40,6 +40,9 @@ _STOPPED = re.compile(r"SIGTERMException|KeyboardInterrupt|SystemExit|Terminated
 _TERMINATED = {int(_signal.SIGTERM), int(_signal.SIGINT), int(_signal.SIGHUP)}
 
 
+#: The prefix torch >= 2.2 puts on a rank's error lines.
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+
 class Sink(Protocol):
     def line(self, host: str, rank: int | None, stream: str, text: str) -> None: ...
     def status(self, host: str, rank: int | None, text: str) -> None: ...
@@ -187,6 +190,24 @@ class JobWatch:
         self.clean_exits: list[tuple[int, str, int]] = []
         #: Pieces of a line too long for one event (the agent marks them ``more``).
         self._pieces: dict[tuple[str, int | None, str], list[str]] = {}
+        #: The first traceback each rank printed: (host, rank) -> its exception
+        #: line.  A run can succeed with one (the script caught the error and
+        #: went on, or exited 0): the summary says so.
+        self.tracebacks: dict[tuple[str, int], str] = {}
+        self._in_traceback: set[tuple[str, int]] = set()
+
+    def _note_traceback(self, host: str, rank: int, text: str) -> None:
+        """Keep the exception line of a rank's first Python traceback: the
+        first unindented line after ``Traceback (most recent call last):``."""
+        key = (host, rank)
+        if key in self.tracebacks:
+            return
+        line = _RANK_PREFIX.sub("", text.rstrip(), count=1)  # torch's own "[rank1]: " prefix
+        if line.endswith("Traceback (most recent call last):"):
+            self._in_traceback.add(key)
+        elif key in self._in_traceback and line and not line[0].isspace():
+            self._in_traceback.discard(key)
+            self.tracebacks[key] = line[:300]
 
     # -- events ------------------------------------------------------------
 
@@ -203,6 +224,8 @@ class JobWatch:
             if text is None:
                 return
             (self.tails[rank] if rank is not None else node.launcher_tail).append(text)
+            if rank is not None:
+                self._note_traceback(host, rank, text)
             for s in self.sinks:
                 s.line(host, rank, ev.get("s", "out"), text)
         elif kind == "status":

@@ -323,6 +323,13 @@ def _summary(result: RunResult, as_json: bool) -> None:
                      f"{escape(result.restarts[0])})[/]")
         con.print(f"[green]corral:[/] run {result.run_id} succeeded in {result.duration_s:.1f}s "
                   f"({shape}){again}; {escape(where)}")
+        if result.caught:
+            host, rank, exc, log = result.caught[0]
+            more = f" (and {len(result.caught) - 1} more rank(s))" if len(result.caught) > 1 else ""
+            con.print(f"  [yellow]note:[/] rank {rank} on {escape(host)} printed a traceback{more} and the run "
+                      f"still exited 0: [bold]{escape(exc)}[/]. The script caught the error itself; check that "
+                      f"it did the work ({escape(log)})",
+                      soft_wrap=True)
         return
     if result.status == "interrupted":
         con.print(f"[yellow]corral:[/] run {result.run_id} interrupted after {result.duration_s:.1f}s; "
@@ -380,5 +387,6 @@ def _result_json(result: RunResult) -> dict:
             "log": str(result.failure_log) if result.failure_log else None,
         },
         "stacks": list(result.stacks),
+        "caught": [{"host": h, "rank": r, "exception": e, "log": lg} for h, r, e, lg in result.caught],
         "diagnoses": [getattr(d, "id", str(d)) for d in result.diagnoses],
     }
