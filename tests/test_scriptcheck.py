@@ -138,3 +138,13 @@ def test_one_process_per_node_without_a_node_rank(tmp_path: Path) -> None:
     note = self_launch_note("python3", tmp_path, launcher="command", nproc=1, nnodes=2, args=untold)
     assert note and note.startswith("train_net.py:9 starts its own worker processes (launch)")
     assert self_launch_note("tut.py", tmp_path, launcher="command", nproc=1, nnodes=1) is None
+
+
+def test_the_script_of_a_command_launcher_run() -> None:
+    from corral.scriptcheck import script_and_args
+
+    assert script_and_args("command", "python3", ("train_net.py", "--x")) == ("train_net.py", ("--x",))
+    assert script_and_args("command", "/opt/venv/bin/python3.11", ("a.py",)) == ("a.py", ())
+    assert script_and_args("command", "bash", ("-c", "python a.py")) == ("bash", ("-c", "python a.py"))
+    assert script_and_args("torchrun", "train.py", ("--lr", "1")) == ("train.py", ("--lr", "1"))
+    assert script_and_args("command", "python", ("-m", "pkg")) == ("python", ("-m", "pkg"))

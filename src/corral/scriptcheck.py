@@ -100,15 +100,22 @@ def self_launch(source: str) -> SelfLaunch | None:
     return found
 
 
+def script_and_args(launcher: str, program: str, args: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """The Python script a run starts, and its arguments: the program itself,
+    or for ``--launcher command python train_net.py ...`` the first argument."""
+    if launcher == "command" and re.fullmatch(r"python[0-9.]*", Path(program).name) and args \
+            and args[0].endswith(".py"):
+        return args[0], tuple(args[1:])
+    return program, tuple(args)
+
+
 def self_launch_note(program: str, workdir: Path, *, launcher: str, nproc: int, nnodes: int = 1,
                      args: tuple[str, ...] = ()) -> str | None:
     """The notice for a self-launching script where it will not do what its
     author meant: under a launcher that starts ``nproc`` > 1 processes per
     node, or as one process per node on several nodes without being told
     its node rank (each node would train on its own); None otherwise."""
-    if launcher == "command" and re.fullmatch(r"python[0-9.]*", Path(program).name) and args \
-            and args[0].endswith(".py"):
-        program, args = args[0], args[1:]  # `--launcher command python train_net.py ...`
+    program, args = script_and_args(launcher, program, args)
     several_per_node = launcher in ("torchrun", "accelerate", "deepspeed") and nproc > 1
     alone_per_node = (launcher == "command" and nnodes > 1
                       and not any(m in a for a in args for m in _NODE_RANK_ARGS))

@@ -21,7 +21,7 @@ from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
-from corral.scriptcheck import self_launch_note
+from corral.scriptcheck import script_and_args, self_launch_note
 from corral.stacks import fold_ranks
 
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
@@ -125,7 +125,8 @@ def run(
     env = parse_env_flags(env_flags, os.environ)  # an unset --env NAME before any connection
     cluster = cluster_opts.load()
     if sync_first:
-        _sync_project(cluster, program=None if module else program, workdir=workdir, dry_run=dry_run)
+        script = None if module else script_and_args(launcher, program, tuple(args))[0]
+        _sync_project(cluster, program=script, workdir=workdir, dry_run=dry_run)
     spec = RunSpec(
         program=program, args=tuple(args), module=module, launcher=launcher,
         nproc_per_node=nproc_per_node, env=env,
