@@ -442,6 +442,7 @@ def test_dry_run_changes_nothing(sandbox, project: Path) -> None:
 
 @pytest.mark.sandbox
 def test_a_node_that_differs_is_named(sandbox, project: Path) -> None:
+    assert corral_sync(project, sandbox.cluster_file).returncode == 0  # in step first (also when run alone)
     victim = sandbox.nodes[2]
     sandbox.exec(victim, ["sh", "-c", f"echo tampered >> {project}/src/model.py"], check=True)
     res = corral_sync(project, sandbox.cluster_file, "--check")
@@ -458,6 +459,7 @@ def test_a_node_that_differs_is_named(sandbox, project: Path) -> None:
 
 @pytest.mark.sandbox
 def test_unchanged_tree_is_up_to_date(sandbox, project: Path) -> None:
+    assert corral_sync(project, sandbox.cluster_file).returncode == 0  # in step first (also when run alone)
     res = corral_sync(project, sandbox.cluster_file, "--json")
     assert res.returncode == 0
     report = json.loads(res.stdout)
