@@ -77,9 +77,13 @@ async def serve(path: Path, handler: Handler) -> asyncio.base_events.Server:
             answer = await handler(request)
         except Exception as e:  # noqa: BLE001 - report to the client, keep serving
             answer = {"error": f"{type(e).__name__}: {e}"}
-        writer.write((json.dumps(answer) + "\n").encode())
-        await writer.drain()
-        writer.close()
+        try:
+            writer.write((json.dumps(answer) + "\n").encode())
+            await writer.drain()
+        except (ConnectionError, OSError):
+            pass  # the client gave up (Ctrl-C on `corral stacks`): nothing to tell it
+        finally:
+            writer.close()
 
     if path.exists():
         path.unlink()
