@@ -21,7 +21,7 @@ import pytest
 
 from corral.sync import filelist, nodetree
 from corral.sync.ignore import IgnoreRules, parse
-from corral.sync.rsync import parse_progress, rsh_word
+from corral.sync.rsync import failure, parse_progress, rsh_word
 
 REPO = Path(__file__).resolve().parents[1]
 CORRAL = [sys.executable, "-m", "corral"]
@@ -283,6 +283,23 @@ def test_rsync_helpers() -> None:
 
 # ---------------------------------------------------------------------------
 # the whole command, locally (no root): this machine to another directory
+
+
+def test_a_login_shell_that_prints_is_named_not_blamed_on_the_disk() -> None:
+    from corral.model import Host
+
+    # What rsync 3.x prints when ~/.bashrc on the node echoes a banner
+    # (reproduced on the sandbox, 2026-11-23).
+    stderr = ("protocol version mismatch -- is your shell clean?\n"
+              "(see the rsync manpage for an explanation)\n"
+              "rsync error: protocol incompatibility (code 2) at compat.c(625) [sender=3.5.0]\n")
+    err = failure(Host(name="gpu2"), 2, stderr)
+    assert err.host == "gpu2" and "login shell there writes to stdout" in err.message
+    assert "ssh gpu2 true" in err.hint and "~/.bashrc" in err.hint
+    assert "free space" not in err.hint
+    full = failure(Host(name="gpu2"), 11, "rsync: write failed on \"/srv/x\": No space left on device (28)\n"
+                                           "rsync error: error in file IO (code 11) at receiver.c(381)")
+    assert full.hint == "the node's disk is full"
 
 
 def _tree(root: Path) -> dict[str, list]:

@@ -137,6 +137,18 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
         )
     if rc == 255 or "connection unexpectedly closed" in text and "ssh:" in text:
         return classify_ssh_failure(host, 255, text)
+    if "protocol version mismatch" in text or "is your shell clean" in text:
+        # The classic: a banner or `echo` in a shell start-up file of the
+        # login user lands in rsync's protocol stream.
+        return HostError(
+            host.name,
+            f"rsync failed (exit {rc}): the login shell there writes to stdout, "
+            "which garbles rsync's protocol (\"protocol version mismatch -- is your shell clean?\")",
+            hint=f"`ssh {host.name} true` must print nothing: move the output (an echo, a banner) in "
+                 "its ~/.bashrc, ~/.profile or /etc/bash.bashrc under `case $- in *i*)` "
+                 "(interactive shells only)",
+            kind="rsync",
+        )
     lines = [
         l for l in text.splitlines() if l.strip() and not l.startswith("rsync error: some files")
     ]
