@@ -327,3 +327,36 @@ def test_accelerate_default_config_mode_is_read_where_accelerate_reads_it(tmp_pa
     (tmp_path / "hf" / "accelerate" / "default_config.yaml").write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")
     assert accelerate_default_mode() == "DEEPSPEED"
+
+
+def test_an_agent_that_never_answers_is_one_named_error_and_nothing_else(tmp_path) -> None:
+    # A login that takes longer than the hello timeout (a `sleep` in the
+    # node's ~/.bashrc): one HostError, and no "Future exception was never
+    # retrieved" from asyncio once the killed connection ends.
+    import gc
+
+    from corral.agent.session import AgentSession
+    from corral.errors import HostError
+    from corral.transport.local import LocalTransport
+
+    slow = tmp_path / "slowpython"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    errors: list[dict] = []
+
+    async def go() -> str:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        s = AgentSession(host=Host(name="slow", python=str(slow)), transport=LocalTransport(), tag="t")
+        try:
+            await s.start(timeout=0.5)
+        except HostError as e:
+            message = e.message
+        else:
+            raise AssertionError("started")
+        await asyncio.sleep(0.5)  # the killed process's end reaches the reader
+        gc.collect()
+        await asyncio.sleep(0)
+        return message
+
+    assert "no answer from the agent within" in asyncio.run(go())
+    assert errors == []

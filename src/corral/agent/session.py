@@ -84,6 +84,10 @@ class AgentSession:
         log.debug("%s: %s", self.name, argv)
         loop = asyncio.get_running_loop()
         self._hello = loop.create_future()
+        # Once start() has given up (timeout, Ctrl-C), the connection's end
+        # still fails _hello; that is no news (asyncio would print "Future
+        # exception was never retrieved" over the user's terminal).
+        self._hello.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._lost = loop.create_future()
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -115,7 +119,9 @@ class AgentSession:
         except asyncio.TimeoutError:
             await self.kill()
             raise HostError(self.name, f"no answer from the agent within {timeout:.0f}s",
-                            hint="check that the host is not overloaded and its Python starts", kind="timeout") from None
+                            hint=f"check that the host is not overloaded, its Python starts, and logging in is quick "
+                                 f"(`time ssh {self.name} true`: a slow ~/.bashrc, a hung home directory)",
+                            kind="timeout") from None
         except HostError:
             await self.kill()
             raise
