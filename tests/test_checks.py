@@ -438,6 +438,17 @@ def test_ssh_mesh_missing_one_edge() -> None:
     assert "authorized_keys" in found.hint
 
 
+def test_ssh_logins_dropped_by_the_peers_sshd_point_at_maxstartups() -> None:
+    data = recorded()
+    data["ssh"] = [{"src": s, "dst": d, "result": "ok", "detail": ""} for s in NODES for d in NODES]
+    for p in data["ssh"]:
+        if p["dst"] == "node2" and p["src"] in ("node1", "node3"):
+            p.update(result="closed", detail="Connection reset by 10.0.0.12 port 22")
+    found = one(evidence(data), "connectivity.ssh", ERROR)
+    assert found.message.startswith("node[1,3] -> node2: ssh fails (closed)")
+    assert "MaxStartups" in found.hint
+
+
 def test_no_ssh_mesh_at_all_is_only_a_warning() -> None:
     found = one(evidence(), "connectivity.ssh", WARNING)
     assert "corral ssh setup" in found.hint

@@ -164,6 +164,10 @@ def test_sender_reports_a_refused_port() -> None:
     ("ssh: Could not resolve hostname n9: Name or service not known", "unresolved"),
     ("@ WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED! @", "changed-host-key"),
     ("ssh: connect to host n3 port 22: No route to host", "unreachable"),
+    # the peer's sshd dropping logins beyond MaxStartups (sandbox, `MaxStartups 1`)
+    ("Connection reset by 10.201.137.12 port 22", "closed"),
+    ("Connection closed by 10.201.137.12 port 22", "closed"),
+    ("kex_exchange_identification: read: Connection reset by peer", "closed"),
 ])
 def test_ssh_failures_are_classified(stderr: str, kind: str) -> None:
     assert node_links.classify_ssh(stderr) == kind
