@@ -300,6 +300,9 @@ def test_a_login_shell_that_prints_is_named_not_blamed_on_the_disk() -> None:
     full = failure(Host(name="gpu2"), 11, "rsync: write failed on \"/srv/x\": No space left on device (28)\n"
                                            "rsync error: error in file IO (code 11) at receiver.c(381)")
     assert full.hint == "the node's disk is full"
+    ro = failure(Host(name="gpu2"), 23, 'rsync: [receiver] mkstemp "/srv/proj/.t.py.LItuTM" failed: '
+                                         "Read-only file system (30)\n")
+    assert "read-only file system there" in ro.hint and "dmesg" in ro.hint
 
 
 def _tree(root: Path) -> dict[str, list]:

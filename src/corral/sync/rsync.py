@@ -158,4 +158,7 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
         hint = "the login user cannot write there: pick a writable --to, or fix ownership"
     elif "No space left" in text:
         hint = "the node's disk is full"
+    elif "Read-only file system" in text:
+        hint = ("the destination is on a read-only file system there (a read-only mount, or one the "
+                "kernel remounted read-only after disk errors: `dmesg` on it); pick a writable --to")
     return HostError(host.name, f"rsync failed (exit {rc}): {last}", hint=hint, kind="rsync")
