@@ -556,3 +556,28 @@ def test_copy_is_not_shared() -> None:
     a, b = recorded(), recorded()
     a["facts"]["node1"]["hostname"] = "changed"
     assert b["facts"]["node1"]["hostname"] == "node1" and copy.deepcopy(b) == b
+
+
+def test_read_only_workdir_and_a_full_or_unusable_tmp() -> None:
+    # Reproduced on the sandbox: f5n2's /srv/proj bind-mounted read-only; its
+    # /tmp a full tmpfs, so Python (and corral's job directory) moved to
+    # /var/tmp, and with that full too, to the login directory.
+    data = recorded()
+    for h in NODES:
+        data["facts"][h].update(workdir_writable=True, tmp_wanted="/tmp", tmp_dir="/tmp",
+                                tmp_free_bytes=50 << 30)
+    data["facts"]["node2"]["workdir_writable"] = False
+    data["facts"]["node3"].update(tmp_dir="/root", tmp_free_bytes=50 << 30)
+    data["facts"]["node4"]["tmp_free_bytes"] = 8 << 10
+    ev = evidence(data)
+    ro = one(ev, "system.workdir", WARNING)
+    assert ro.hosts == HostSet.of(["node2"]) and "not writable" in ro.message and "dmesg" in ro.hint
+    tmp = findings(ev, "system.tmp", WARNING)
+    assert [f.hosts for f in tmp] == [HostSet.of(["node3"]), HostSet.of(["node4"])]
+    assert tmp[0].message == "/tmp is not writable (full, read-only or missing): Python falls back to /root"
+    assert tmp[1].message.startswith("only 8.0 KiB free in /tmp") and "TMPDIR" in tmp[1].hint
+
+
+def test_facts_recorded_before_tmp_and_writability_were_collected_find_nothing() -> None:
+    ev = evidence()
+    assert findings(ev, "system.tmp") == [] and not findings(ev, "system.workdir", WARNING)

@@ -215,3 +215,15 @@ def test_a_listener_stops_by_itself() -> None:
     done.wait()
     assert node_links.connect([{"address": "127.0.0.1", "port": opened["port"]}], wait=1)[0]["result"] == "refused"
     node_links.unlisten(opened["port"])
+
+
+def test_tmp_fact_is_where_python_would_put_temporary_files(tmp_path, monkeypatch) -> None:
+    from corral.agent import facts as node_facts
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    got = node_facts._tmp([])
+    assert got["tmp_wanted"] == got["tmp_dir"] == str(tmp_path) and got["tmp_free_bytes"] > 0
+    # A TMPDIR that cannot be used: Python moves on, and the fact says where.
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "missing"))
+    got = node_facts._tmp([])
+    assert got["tmp_wanted"] == str(tmp_path / "missing") and got["tmp_dir"] != got["tmp_wanted"]
