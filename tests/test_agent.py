@@ -360,3 +360,37 @@ def test_an_agent_that_never_answers_is_one_named_error_and_nothing_else(tmp_pat
 
     assert "no answer from the agent within" in asyncio.run(go())
     assert errors == []
+
+
+def test_a_failed_job_whose_temp_dir_filled_up_says_so(tmp_path, monkeypatch) -> None:
+    # Reproduced on the sandbox (a node's /tmp a tmpfs with a few KiB free):
+    # the ranks died writing their output, their tracebacks unwritten, and the
+    # summary said only "exited with code 1".  The agent adds a launcher line
+    # with errno 28's words, which the diagnosis's disk-full rule knows.
+    from corral.agent import node
+
+    sent: list[dict] = []
+
+    class Chan:
+        def send(self, **ev) -> None:
+            sent.append(ev)
+
+    agent = node.Agent(Chan(), reader=None)
+    agent.workdir_tmp = str(tmp_path / "corral-0" / "r-1")
+    (tmp_path / "corral-0" / "r-1").mkdir(parents=True)
+
+    class Full:
+        f_bavail, f_frsize = 0, 4096
+
+    real_statvfs = os.statvfs
+    monkeypatch.setattr(node.os, "statvfs", lambda p: Full() if str(p).startswith(str(tmp_path)) else real_statvfs(p))
+    agent.say_if_tmp_full()
+    [line] = sent
+    assert line["ev"] == "line" and line["r"] is None
+    assert "[Errno 28] No space left on device (0 bytes free on" in line["t"]
+    assert str(tmp_path / "corral-0") in line["t"] and "TMPDIR" in line["t"]
+    # With room to spare, nothing is said.
+    sent.clear()
+    monkeypatch.setattr(node.os, "statvfs", real_statvfs)
+    agent.say_if_tmp_full()
+    assert sent == []

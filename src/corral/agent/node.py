@@ -30,6 +30,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,8 @@ _AGENT_PID = os.getpid()
 #: How often the agent says it is alive, and how long it tolerates a silent head.
 HEARTBEAT_S = 1.0
 DEFAULT_HEAD_TIMEOUT_S = 10.0
+#: A failed job whose temporary directory has less free space than this filled it.
+TMP_FULL_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------
@@ -324,9 +327,31 @@ class Agent:
             self.tailer.stop_evt.set()
             self.tailer.join(timeout=600.0)
         rc = self.proc.returncode
+        if rc != 0:
+            self.say_if_tmp_full()
         self.chan.send(ev="exit", code=rc if rc >= 0 else None, sig=-rc if rc < 0 else None)
         self.proc = None
         self.cleanup_tmp()
+
+    def say_if_tmp_full(self) -> None:
+        """A failed job whose directory's file system is full: its ranks died
+        writing their output there, their last words (the traceback) unwritten.
+        Say so among the launcher's lines, with errno 28's words (which the
+        diagnosis knows)."""
+        if not self.workdir_tmp:
+            return
+        try:
+            st = os.statvfs(self.workdir_tmp)
+        except OSError:
+            return
+        free = st.f_bavail * st.f_frsize
+        if free >= TMP_FULL_BYTES:
+            return
+        self.chan.send(ev="line", r=None, s="err", t=(
+            "corral: %s: [Errno 28] No space left on device (%d bytes free on %s): the ranks' output "
+            "goes there, so their last lines (a traceback) may be missing; free space there, or set "
+            "TMPDIR for this host (`env` in the cluster file)"
+            % (os.path.dirname(self.workdir_tmp), free, socket.gethostname())))
 
     def make_tmp(self, spec: dict) -> str:
         """The job's own temporary directory, ``$TMPDIR/corral-<uid>/<run-id>-<attempt>``.
