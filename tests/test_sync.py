@@ -305,6 +305,27 @@ def test_a_login_shell_that_prints_is_named_not_blamed_on_the_disk() -> None:
     assert "read-only file system there" in ro.hint and "dmesg" in ro.hint
 
 
+@pytest.mark.parametrize("said", [
+    # what rsync printed (corral's ssh runs with LogLevel=ERROR, so ssh says
+    # nothing) when the sandbox's node was partitioned or stopped in the
+    # middle of `corral sync` (2026-11-23)
+    "rsync error: unexplained error (code 255) at io.c(949) [sender=3.5.0]\n",
+    "rsync: [sender] write error: Broken pipe (32)\n"
+    "rsync error: unexplained error (code 255) at io.c(949) [sender=3.5.0]\n",
+])
+def test_a_node_lost_in_the_middle_of_a_sync_is_named_as_lost(said: str) -> None:
+    from corral.model import Host
+
+    err = failure(Host(name="gpu2"), 255, said)
+    assert err.kind == "lost" and "connection was lost in the middle of the copy" in err.message
+    assert "`ssh gpu2 true`" in err.hint
+    # ssh's own words still win when there are some.
+    refused = failure(Host(name="gpu2"), 255, "ssh: connect to host 10.0.0.2 port 22: Connection refused\n"
+                                                "rsync: connection unexpectedly closed (0 bytes received so far) [sender]\n"
+                                                "rsync error: unexplained error (code 255) at io.c(232) [sender=3.5.0]\n")
+    assert refused.kind == "refused"
+
+
 def _tree(root: Path) -> dict[str, list]:
     """An independent description: relative path -> [kind, mode, sha256 or link target]."""
     out = {}
