@@ -394,3 +394,33 @@ def test_a_failed_job_whose_temp_dir_filled_up_says_so(tmp_path, monkeypatch) ->
     monkeypatch.setattr(node.os, "statvfs", real_statvfs)
     agent.say_if_tmp_full()
     assert sent == []
+
+
+def test_a_node_that_goes_down_mid_run_is_named_once_with_what_happened(tmp_path) -> None:
+    # `corral sandbox stop` mid-run said "f5n2 was lost: f5n2: ssh failed:
+    # exit code 255": the host twice, and nothing about what that means.
+    from corral.agent.session import AgentSession
+    from corral.transport.local import LocalTransport
+    from corral.transport.ssh import classify_ssh_failure
+
+    class SilentSsh(LocalTransport):  # ssh with LogLevel=ERROR: exit 255, no words
+        def failure(self, host, returncode, stderr):
+            return classify_ssh_failure(host, 255, "")
+
+    events: list[dict] = []
+
+    async def go() -> None:
+        s = AgentSession(host=Host(name="gpu2", python=sys.executable), transport=SilentSsh(), tag="t",
+                         on_event=lambda sess, ev: events.append(ev))
+        await s.start(timeout=30)
+        s.proc.kill()
+        for _ in range(200):
+            if any(e.get("ev") == "closed" for e in events):
+                break
+            await asyncio.sleep(0.05)
+        await s.kill()
+
+    asyncio.run(go())
+    [closed] = [e for e in events if e.get("ev") == "closed"]
+    assert not closed["error"].startswith("gpu2")
+    assert closed["error"].startswith("its connection closed (ssh failed: exit code 255): the node went down")

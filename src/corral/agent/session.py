@@ -197,7 +197,16 @@ class AgentSession:
             self._lost.set_result(err)
         self.closed = True
         if self.on_event is not None:
-            self.on_event(self, {"ev": "closed", "rc": rc, "error": err.message})
+            why = err.message
+            if why.startswith(f"{self.name}: "):
+                why = why[len(self.name) + 2:]  # the host is named by whoever reports it
+            if self.hello and err.kind == "ssh-failed":
+                # It had answered, and ssh ended without a word of its own
+                # (it runs with LogLevel=ERROR): a crash or reboot, not a
+                # network silence (that is a missed heartbeat instead).
+                why = (f"its connection closed ({why}): the node went down or rebooted, or its sshd "
+                       "or corral's agent there was killed")
+            self.on_event(self, {"ev": "closed", "rc": rc, "error": why})
 
     async def _ping(self) -> None:
         while not self.closed:
