@@ -200,12 +200,12 @@ class AgentSession:
             why = err.message
             if why.startswith(f"{self.name}: "):
                 why = why[len(self.name) + 2:]  # the host is named by whoever reports it
-            if self.hello and err.kind == "ssh-failed":
+            if self.hello and err.kind == "ssh-failed" and not self.stderr_text.strip():
                 # It had answered, and ssh ended without a word of its own
                 # (it runs with LogLevel=ERROR): a crash or reboot, not a
                 # network silence (that is a missed heartbeat instead).
-                why = (f"its connection closed ({why}): the node went down or rebooted, or its sshd "
-                       "or corral's agent there was killed")
+                why = ("its connection closed (ssh ended without a message): the node went down or "
+                       "rebooted, or its sshd or corral's agent there was killed")
             self.on_event(self, {"ev": "closed", "rc": rc, "error": why})
 
     async def _ping(self) -> None:
