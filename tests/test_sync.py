@@ -572,3 +572,25 @@ def test_the_project_goes_to_the_cluster_files_workdir() -> None:
     with pytest.raises(UsageError) as e:
         with_cluster_workdir(mixed, SyncOptions())
     assert "a: /srv/proj, b: /srv/other" in e.value.message and "--to" in (e.value.hint or "")
+
+
+def test_a_destination_that_is_a_dangling_link_or_a_file_is_named(tmp_path: Path) -> None:
+    # Seen on the sandbox: `corral sync --to /srv/proj` where /srv/proj on one
+    # node was a link to a directory that no longer exists said only
+    # "FileExistsError: [Errno 17] File exists: '/srv/proj'".
+    link = tmp_path / "proj"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(nodetree.DestinationError) as e:
+        nodetree.status([{"root": str(link), "paths": ["a.py"], "scope": None}])
+    assert str(e.value).startswith(f"{link} is a symbolic link to {tmp_path / 'gone'}, which does not exist")
+    assert e.value.kind == "destination"  # shown to the user as is, without the class name
+    link.unlink()
+    link.write_text("x")
+    with pytest.raises(nodetree.DestinationError, match="exists and is not a directory"):
+        nodetree.status([{"root": str(link), "paths": ["a.py"], "scope": None}])
+    # A link to a directory that exists is followed, as before.
+    (tmp_path / "real").mkdir()
+    link.unlink()
+    link.symlink_to(tmp_path / "real")
+    [got] = nodetree.status([{"root": str(link), "paths": ["a.py"], "scope": None}])
+    assert got["root"] == str(link)
