@@ -603,3 +603,27 @@ def test_a_quiet_job_without_hang_timeout_is_told_where_its_ranks_are(tmp_path: 
     assert "rank 1 elsewhere than the others" in said, said
     assert still_running and result.status == "interrupted", said
     assert list((tmp_path / "runs").glob("*/stacks-*.txt"))
+
+
+def test_a_run_id_whose_directory_exists_is_an_error_that_starts_nothing(tmp_path: Path) -> None:
+    # Two runs that drew the same id (same second, same random part) must not
+    # share a run directory; the second one stops before starting anything,
+    # with a message, not a FileExistsError traceback.
+    import asyncio
+
+    from corral.errors import CorralError
+    from corral.model import Cluster, Host
+    from corral.plan import RunSpec, new_run_id
+    from corral.run import RunOptions, Runner
+
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", new_run_id())
+    marker = tmp_path / "started"
+    spec = RunSpec(program="touch", args=(str(marker),), launcher="command", workdir=str(tmp_path))
+    (tmp_path / "runs" / spec.run_id).mkdir(parents=True)
+    runner = Runner(Cluster(hosts=(Host(name="localhost", local=True, python=sys.executable),)), spec,
+                    RunOptions(runs_dir=tmp_path / "runs"), head_env=dict(os.environ), head_cwd=str(tmp_path))
+    with pytest.raises(CorralError) as e:
+        asyncio.run(runner.run())
+    assert "already exists: another corral run has the same id" in e.value.message
+    assert e.value.exit_code == 3 and not marker.exists()
+    assert list((tmp_path / "runs" / spec.run_id).iterdir()) == []
