@@ -424,3 +424,46 @@ def test_a_node_that_goes_down_mid_run_is_named_once_with_what_happened(tmp_path
     [closed] = [e for e in events if e.get("ev") == "closed"]
     assert not closed["error"].startswith("gpu2")
     assert closed["error"].startswith("its connection closed (ssh ended without a message): the node went down")
+
+
+def test_a_start_refused_by_a_limit_of_the_node_says_which(monkeypatch) -> None:
+    # Seen on the sandbox with `ulimit -n 10` in a node's ~/.bashrc: "cannot
+    # start .../python: [Errno 24] Too many open files", and nothing on what
+    # to change.
+    import errno
+    import resource
+
+    from corral.agent.node import limit_note
+
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (10, 10))
+    note = limit_note(OSError(errno.EMFILE, "Too many open files"))
+    assert "`ulimit -n`, is 10" in note and "limits.conf" in note
+    assert "`ulimit -u`, is 10" in limit_note(BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable"))
+    assert limit_note(FileNotFoundError(errno.ENOENT, "No such file")) == ""
+
+
+def test_the_jobs_own_tmpdir_holds_its_directory(tmp_path, monkeypatch) -> None:
+    # A node whose /tmp is full or small: `env = { TMPDIR = "/scratch/tmp" }`
+    # for that host in the cluster file (what corral's messages advise) must
+    # move the job's directory, not only the ranks' own temporary files.
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "agent"))
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "job").mkdir()
+    events: list[dict] = []
+
+    async def job() -> None:
+        pool = AgentPool(_local(), tag="r-1", on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            code = "import os; print(os.environ['CORRAL_LOG_DIR'])"
+            await pool.sessions[0].send(op="start", spec={
+                "argv": [sys.executable, "-c", code], "env": {"TMPDIR": str(tmp_path / "job")},
+                "cwd": str(tmp_path), "hook_source": "", "tag": "r-1"})
+            await until_exit(events, 10.0)
+        finally:
+            await pool.close()
+
+    asyncio.run(job())
+    [line] = [e["t"] for e in events if e.get("ev") == "line"]
+    assert line == str(tmp_path / "job" / f"corral-{os.getuid()}" / "r-1" / "logs")
+    assert list((tmp_path / "job").iterdir()) == [] and list((tmp_path / "agent").iterdir()) == []

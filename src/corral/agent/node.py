@@ -95,6 +95,24 @@ TMP_FULL_BYTES = 1 << 20
 # The agent
 
 
+def limit_note(e: BaseException) -> str:
+    """What to do about a start that failed on a per-user limit of the node."""
+    import errno
+    import resource
+
+    if getattr(e, "errno", None) == errno.EMFILE:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return (" (this node's open-files limit for the login, `ulimit -n`, is %d: raise it, e.g. in "
+                "/etc/security/limits.conf or the login shell's start-up files; training needs "
+                "thousands)" % soft)
+    if getattr(e, "errno", None) == errno.EAGAIN:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        return (" (this node's process limit for the login, `ulimit -u`, is %s, or the machine is "
+                "out of processes: raise it, e.g. in /etc/security/limits.conf)"
+                % ("unlimited" if soft == resource.RLIM_INFINITY else soft))
+    return ""
+
+
 class Agent:
     def __init__(self, chan: Channel, reader):
         self.chan = chan
@@ -164,7 +182,9 @@ class Agent:
             with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as f:
                 f.write(spec["hook_source"])
         except OSError as e:
-            self.chan.send(ev="fatal", t="cannot create %s: %s" % (self.workdir_tmp, e))
+            self.chan.send(ev="fatal", t="cannot create %s: %s (the job's files go to its $TMPDIR, else "
+                                         "/tmp: free space there, or set TMPDIR for this host with `env` "
+                                         "in the cluster file)" % (self.workdir_tmp, e))
             self.cleanup_tmp()
             return
         env = job_environment(dict(os.environ), spec.get("env", {}))
@@ -188,7 +208,8 @@ class Agent:
                     preexec_fn=_die_with_agent,  # noqa: PLW1509 - only a prctl call
                 )
             except (OSError, subprocess.SubprocessError) as e:
-                self.chan.send(ev="exit", code=127, sig=None, error="cannot start %s: %s" % (spec["argv"][0], e))
+                self.chan.send(ev="exit", code=127, sig=None,
+                               error="cannot start %s: %s%s" % (spec["argv"][0], e, limit_note(e)))
                 self.cleanup_tmp()
                 return
         pipe_rank = spec.get("pipe_rank")
@@ -365,7 +386,10 @@ class Agent:
         self.tmp_root = None
         tmp = spec.get("tmp_dir")
         if not tmp:
-            root = os.path.join(tempfile.gettempdir(), "corral-%d" % os.getuid())
+            # The job's own TMPDIR (`--env TMPDIR=...`, the cluster file's
+            # `env`) first: where its files are meant to go on this node.
+            base = (spec.get("env") or {}).get("TMPDIR") or tempfile.gettempdir()
+            root = os.path.join(base, "corral-%d" % os.getuid())
             tmp = os.path.join(root, spec.get("tag", "run"))
             self.workdir_tmp = tmp
             self.tmp_root = root
