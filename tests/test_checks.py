@@ -581,3 +581,15 @@ def test_read_only_workdir_and_a_full_or_unusable_tmp() -> None:
 def test_facts_recorded_before_tmp_and_writability_were_collected_find_nothing() -> None:
     ev = evidence()
     assert findings(ev, "system.tmp") == [] and not findings(ev, "system.workdir", WARNING)
+
+
+def test_a_tmpdir_from_the_cluster_file_that_is_missing_is_named() -> None:
+    data = recorded()
+    for h in NODES:
+        data["facts"][h].update(tmp_wanted="/tmp", tmp_dir="/tmp", tmp_free_bytes=50 << 30)
+    data["facts"]["node2"].update(tmp_wanted="/scratch/tmp", tmp_dir="(nothing: it is missing or not writable)",
+                                  tmp_free_bytes=None)
+    found = one(evidence(data), "system.tmp", WARNING)
+    assert found.hosts == HostSet.of(["node2"])
+    assert found.message == "/scratch/tmp is not writable (full, read-only or missing): a job cannot start there"
+    assert found.hint.startswith("create it there")

@@ -227,3 +227,12 @@ def test_tmp_fact_is_where_python_would_put_temporary_files(tmp_path, monkeypatc
     monkeypatch.setenv("TMPDIR", str(tmp_path / "missing"))
     got = node_facts._tmp([])
     assert got["tmp_wanted"] == str(tmp_path / "missing") and got["tmp_dir"] != got["tmp_wanted"]
+
+
+def test_tmp_fact_follows_the_tmpdir_the_cluster_file_gives(tmp_path) -> None:
+    from corral.agent import facts as node_facts
+
+    got = node_facts._tmp([], str(tmp_path))
+    assert got["tmp_wanted"] == got["tmp_dir"] == str(tmp_path) and got["tmp_free_bytes"] > 0
+    got = node_facts._tmp([], str(tmp_path / "missing"))
+    assert got["tmp_wanted"] == str(tmp_path / "missing") and not got["tmp_dir"].startswith("/")

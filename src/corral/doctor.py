@@ -234,7 +234,7 @@ async def _facts(pool: AgentPool, cluster: Cluster, options: DoctorOptions, head
     async def one(s: AgentSession) -> dict:
         workdir = options.workdir or cluster.workdir_for(s.host) or head_cwd
         return await s.call("facts.collect", workdir=workdir, peers=peers, torch=options.torch,
-                            timeout=240)
+                            tmpdir=cluster.env_for(s.host).get("TMPDIR"), timeout=240)
 
     results = await asyncio.gather(*(one(s) for s in pool.sessions), return_exceptions=True)
     facts, failed = {}, {}

@@ -132,7 +132,8 @@ def tmp(ev: Evidence) -> list[Finding]:
         f = ev.facts[h]
         wanted, got, free = f.get("tmp_wanted"), f.get("tmp_dir"), f.get("tmp_free_bytes")
         if wanted and got and os.path.normpath(wanted) != os.path.normpath(got):
-            moved[h] = f"{wanted} is not writable (full, read-only or missing): Python falls back to {got}"
+            moved[h] = (f"{wanted} is not writable (full, read-only or missing): "
+                        + (f"Python falls back to {got}" if got.startswith("/") else "a job cannot start there"))
         elif free is not None and free < MIN_TMP_BYTES:
             low[h] = free
     for why, hosts in group_hosts(moved):
@@ -140,7 +141,9 @@ def tmp(ev: Evidence) -> list[Finding]:
             check="system.tmp", severity=WARNING, hosts=hosts, message=why,
             hint="a job's files (corral's job directory with the ranks' output, torch's caches) land "
                  "there instead; free space in it, or set TMPDIR to a writable local directory in "
-                 "the cluster file's `env`",
+                 "the cluster file's `env`" if "falls back" in why else
+                 "create it there (writable by the login user), or change TMPDIR in the cluster "
+                 "file's `env`",
         ))
     for h, free in low.items():
         out.append(Finding(
