@@ -594,3 +594,17 @@ def test_a_destination_that_is_a_dangling_link_or_a_file_is_named(tmp_path: Path
     link.symlink_to(tmp_path / "real")
     [got] = nodetree.status([{"root": str(link), "paths": ["a.py"], "scope": None}])
     assert got["root"] == str(link)
+
+
+def test_a_stat_cache_that_cannot_be_written_leaves_no_half_written_file(tmp_path: Path, monkeypatch) -> None:
+    # A node whose home directory is full: the cache is skipped, and its
+    # temporary file must not stay behind after every sync.
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    def full(obj, fh, **kw) -> None:
+        fh.write('{"a": ')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(nodetree.json, "dump", full)
+    nodetree.save_cache(str(tmp_path / "proj"), {"a": [1, 2]})
+    assert list((tmp_path / ".cache" / "corral" / "sync").iterdir()) == []

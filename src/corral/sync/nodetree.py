@@ -72,14 +72,19 @@ def load_cache(root: str) -> dict:
 
 def save_cache(root: str, cache: dict) -> None:
     path = cache_file(root)
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
             json.dump(cache, fh, separators=(",", ":"))
         os.replace(tmp, path)
     except OSError:
-        pass  # a cache, never a reason to fail
+        # A cache, never a reason to fail -- nor to leave a half-written
+        # file in the home directory (a full disk, at every sync).
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def file_digest(path: str) -> str:
