@@ -381,7 +381,11 @@ class Runner:
         pool, plan = await self._open_and_plan()
         if self.logs is None:
             try:
-                self.logs = RunLogs(self.options.runs_dir, self.spec.run_id)
+                self.logs = RunLogs(
+                    self.options.runs_dir, self.spec.run_id,
+                    on_error=lambda why: self.view.message(
+                        f"{why}: the job goes on, its output only on this terminal (free space "
+                        "there, or --runs-dir / $CORRAL_RUNS_DIR elsewhere, for the next run)"))
             except FileExistsError:
                 # Another run took this id (started in the same second, same
                 # random part): never write into its directory.
