@@ -467,3 +467,22 @@ def test_the_jobs_own_tmpdir_holds_its_directory(tmp_path, monkeypatch) -> None:
     [line] = [e["t"] for e in events if e.get("ev") == "line"]
     assert line == str(tmp_path / "job" / f"corral-{os.getuid()}" / "r-1" / "logs")
     assert list((tmp_path / "job").iterdir()) == [] and list((tmp_path / "agent").iterdir()) == []
+
+
+def test_what_the_login_shell_prints_before_the_agent_is_kept_apart(tmp_path) -> None:
+    from corral.agent.session import AgentSession
+    from corral.transport.local import LocalTransport
+
+    noisy = tmp_path / "python"
+    noisy.write_text(f"#!/bin/sh\necho 'Welcome to gpu2'\nexec {sys.executable} \"$@\"\n")
+    noisy.chmod(0o755)
+
+    async def go() -> list[str]:
+        s = AgentSession(host=Host(name="gpu2", python=str(noisy)), transport=LocalTransport(), tag="t")
+        await s.start(timeout=30)
+        try:
+            return list(s.login_output)
+        finally:
+            await s.kill()
+
+    assert asyncio.run(go()) == ["Welcome to gpu2"]

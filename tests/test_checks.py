@@ -593,3 +593,14 @@ def test_a_tmpdir_from_the_cluster_file_that_is_missing_is_named() -> None:
     assert found.hosts == HostSet.of(["node2"])
     assert found.message == "/scratch/tmp is not writable (full, read-only or missing): a job cannot start there"
     assert found.hint.startswith("create it there")
+
+
+def test_a_login_shell_that_prints_is_named() -> None:
+    # Reproduced on the sandbox: `echo Welcome to f5n2` at the top of the
+    # node's ~/.bashrc; corral run still worked, `corral sync` failed.
+    data = recorded()
+    data["facts"]["node3"]["login_output"] = ["Welcome to node3"]
+    found = one(evidence(data), "connectivity.login", WARNING)
+    assert found.hosts == HostSet.of(["node3"]) and "'Welcome to node3'" in found.message
+    assert "case $- in *i*)" in found.hint
+    assert findings(evidence(), "connectivity.login") == []

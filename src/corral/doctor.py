@@ -245,7 +245,7 @@ async def _facts(pool: AgentPool, cluster: Cluster, options: DoctorOptions, head
                 why = why[len(s.name) + 2:]  # the finding names the host already
             failed[s.name] = f"collecting facts failed: {why}"
         else:
-            facts[s.name] = {**r, "host": s.name}
+            facts[s.name] = {**r, "host": s.name, "login_output": list(s.login_output)}
     return facts, failed
 
 

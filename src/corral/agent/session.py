@@ -62,6 +62,8 @@ class AgentSession:
     closed: bool = False
     exit_event: Event | None = None
     _stderr: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50))
+    #: What the login shell printed on stdout before the agent started (should be nothing).
+    login_output: list[str] = field(default_factory=list)
     _pending: dict[int, asyncio.Future] = field(default_factory=dict)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -142,7 +144,12 @@ class AgentSession:
             try:
                 ev = json.loads(line)
             except ValueError:
-                self._stderr.append(line.decode(errors="replace").rstrip())
+                text = line.decode(errors="replace").rstrip()
+                self._stderr.append(text)
+                if not self.hello and text.strip() and len(self.login_output) < 5:
+                    # Before the agent speaks: the login shell's own output
+                    # (a banner in ~/.bashrc), which breaks rsync and scp.
+                    self.login_output.append(text)
                 continue
             self._dispatch(ev)
         await self._ended()
