@@ -327,3 +327,162 @@ def test_accelerate_default_config_mode_is_read_where_accelerate_reads_it(tmp_pa
     (tmp_path / "hf" / "accelerate" / "default_config.yaml").write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")
     assert accelerate_default_mode() == "DEEPSPEED"
+
+
+def test_an_agent_that_never_answers_is_one_named_error_and_nothing_else(tmp_path) -> None:
+    # A login that takes longer than the hello timeout (a `sleep` in the
+    # node's ~/.bashrc): one HostError, and no "Future exception was never
+    # retrieved" from asyncio once the killed connection ends.
+    import gc
+
+    from corral.agent.session import AgentSession
+    from corral.errors import HostError
+    from corral.transport.local import LocalTransport
+
+    slow = tmp_path / "slowpython"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    errors: list[dict] = []
+
+    async def go() -> str:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        s = AgentSession(host=Host(name="slow", python=str(slow)), transport=LocalTransport(), tag="t")
+        try:
+            await s.start(timeout=0.5)
+        except HostError as e:
+            message = e.message
+        else:
+            raise AssertionError("started")
+        await asyncio.sleep(0.5)  # the killed process's end reaches the reader
+        gc.collect()
+        await asyncio.sleep(0)
+        return message
+
+    assert "no answer from the agent within" in asyncio.run(go())
+    assert errors == []
+
+
+def test_a_failed_job_whose_temp_dir_filled_up_says_so(tmp_path, monkeypatch) -> None:
+    # Reproduced on the sandbox (a node's /tmp a tmpfs with a few KiB free):
+    # the ranks died writing their output, their tracebacks unwritten, and the
+    # summary said only "exited with code 1".  The agent adds a launcher line
+    # with errno 28's words, which the diagnosis's disk-full rule knows.
+    from corral.agent import node
+
+    sent: list[dict] = []
+
+    class Chan:
+        def send(self, **ev) -> None:
+            sent.append(ev)
+
+    agent = node.Agent(Chan(), reader=None)
+    agent.workdir_tmp = str(tmp_path / "corral-0" / "r-1")
+    (tmp_path / "corral-0" / "r-1").mkdir(parents=True)
+
+    class Full:
+        f_bavail, f_frsize = 0, 4096
+
+    real_statvfs = os.statvfs
+    monkeypatch.setattr(node.os, "statvfs", lambda p: Full() if str(p).startswith(str(tmp_path)) else real_statvfs(p))
+    agent.say_if_tmp_full()
+    [line] = sent
+    assert line["ev"] == "line" and line["r"] is None
+    assert "[Errno 28] No space left on device (0 bytes free on" in line["t"]
+    assert str(tmp_path / "corral-0") in line["t"] and "TMPDIR" in line["t"]
+    # With room to spare, nothing is said.
+    sent.clear()
+    monkeypatch.setattr(node.os, "statvfs", real_statvfs)
+    agent.say_if_tmp_full()
+    assert sent == []
+
+
+def test_a_node_that_goes_down_mid_run_is_named_once_with_what_happened(tmp_path) -> None:
+    # `corral sandbox stop` mid-run said "f5n2 was lost: f5n2: ssh failed:
+    # exit code 255": the host twice, and nothing about what that means.
+    from corral.agent.session import AgentSession
+    from corral.transport.local import LocalTransport
+    from corral.transport.ssh import classify_ssh_failure
+
+    class SilentSsh(LocalTransport):  # ssh with LogLevel=ERROR: exit 255, no words
+        def failure(self, host, returncode, stderr):
+            return classify_ssh_failure(host, 255, "")
+
+    events: list[dict] = []
+
+    async def go() -> None:
+        s = AgentSession(host=Host(name="gpu2", python=sys.executable), transport=SilentSsh(), tag="t",
+                         on_event=lambda sess, ev: events.append(ev))
+        await s.start(timeout=30)
+        s.proc.kill()
+        for _ in range(200):
+            if any(e.get("ev") == "closed" for e in events):
+                break
+            await asyncio.sleep(0.05)
+        await s.kill()
+
+    asyncio.run(go())
+    [closed] = [e for e in events if e.get("ev") == "closed"]
+    assert not closed["error"].startswith("gpu2")
+    assert closed["error"].startswith("its connection closed (ssh ended without a message): the node went down")
+
+
+def test_a_start_refused_by_a_limit_of_the_node_says_which(monkeypatch) -> None:
+    # Seen on the sandbox with `ulimit -n 10` in a node's ~/.bashrc: "cannot
+    # start .../python: [Errno 24] Too many open files", and nothing on what
+    # to change.
+    import errno
+    import resource
+
+    from corral.agent.node import limit_note
+
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (10, 10))
+    note = limit_note(OSError(errno.EMFILE, "Too many open files"))
+    assert "`ulimit -n`, is 10" in note and "limits.conf" in note
+    assert "`ulimit -u`, is 10" in limit_note(BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable"))
+    assert limit_note(FileNotFoundError(errno.ENOENT, "No such file")) == ""
+
+
+def test_the_jobs_own_tmpdir_holds_its_directory(tmp_path, monkeypatch) -> None:
+    # A node whose /tmp is full or small: `env = { TMPDIR = "/scratch/tmp" }`
+    # for that host in the cluster file (what corral's messages advise) must
+    # move the job's directory, not only the ranks' own temporary files.
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "agent"))
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "job").mkdir()
+    events: list[dict] = []
+
+    async def job() -> None:
+        pool = AgentPool(_local(), tag="r-1", on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            code = "import os; print(os.environ['CORRAL_LOG_DIR'])"
+            await pool.sessions[0].send(op="start", spec={
+                "argv": [sys.executable, "-c", code], "env": {"TMPDIR": str(tmp_path / "job")},
+                "cwd": str(tmp_path), "hook_source": "", "tag": "r-1"})
+            await until_exit(events, 10.0)
+        finally:
+            await pool.close()
+
+    asyncio.run(job())
+    [line] = [e["t"] for e in events if e.get("ev") == "line"]
+    assert line == str(tmp_path / "job" / f"corral-{os.getuid()}" / "r-1" / "logs")
+    assert list((tmp_path / "job").iterdir()) == [] and list((tmp_path / "agent").iterdir()) == []
+
+
+def test_what_the_login_shell_prints_before_the_agent_is_kept_apart(tmp_path) -> None:
+    from corral.agent.session import AgentSession
+    from corral.transport.local import LocalTransport
+
+    noisy = tmp_path / "python"
+    noisy.write_text(f"#!/bin/sh\necho 'Welcome to gpu2'\nexec {sys.executable} \"$@\"\n")
+    noisy.chmod(0o755)
+
+    async def go() -> list[str]:
+        s = AgentSession(host=Host(name="gpu2", python=str(noisy)), transport=LocalTransport(), tag="t")
+        await s.start(timeout=30)
+        try:
+            return list(s.login_output)
+        finally:
+            await s.kill()
+
+    assert asyncio.run(go()) == ["Welcome to gpu2"]

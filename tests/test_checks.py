@@ -438,6 +438,17 @@ def test_ssh_mesh_missing_one_edge() -> None:
     assert "authorized_keys" in found.hint
 
 
+def test_ssh_logins_dropped_by_the_peers_sshd_point_at_maxstartups() -> None:
+    data = recorded()
+    data["ssh"] = [{"src": s, "dst": d, "result": "ok", "detail": ""} for s in NODES for d in NODES]
+    for p in data["ssh"]:
+        if p["dst"] == "node2" and p["src"] in ("node1", "node3"):
+            p.update(result="closed", detail="Connection reset by 10.0.0.12 port 22")
+    found = one(evidence(data), "connectivity.ssh", ERROR)
+    assert found.message.startswith("node[1,3] -> node2: ssh fails (closed)")
+    assert "MaxStartups" in found.hint
+
+
 def test_no_ssh_mesh_at_all_is_only_a_warning() -> None:
     found = one(evidence(), "connectivity.ssh", WARNING)
     assert "corral ssh setup" in found.hint
@@ -545,3 +556,51 @@ def test_copy_is_not_shared() -> None:
     a, b = recorded(), recorded()
     a["facts"]["node1"]["hostname"] = "changed"
     assert b["facts"]["node1"]["hostname"] == "node1" and copy.deepcopy(b) == b
+
+
+def test_read_only_workdir_and_a_full_or_unusable_tmp() -> None:
+    # Reproduced on the sandbox: f5n2's /srv/proj bind-mounted read-only; its
+    # /tmp a full tmpfs, so Python (and corral's job directory) moved to
+    # /var/tmp, and with that full too, to the login directory.
+    data = recorded()
+    for h in NODES:
+        data["facts"][h].update(workdir_writable=True, tmp_wanted="/tmp", tmp_dir="/tmp",
+                                tmp_free_bytes=50 << 30)
+    data["facts"]["node2"]["workdir_writable"] = False
+    data["facts"]["node3"].update(tmp_dir="/root", tmp_free_bytes=50 << 30)
+    data["facts"]["node4"]["tmp_free_bytes"] = 8 << 10
+    ev = evidence(data)
+    ro = one(ev, "system.workdir", WARNING)
+    assert ro.hosts == HostSet.of(["node2"]) and "not writable" in ro.message and "dmesg" in ro.hint
+    tmp = findings(ev, "system.tmp", WARNING)
+    assert [f.hosts for f in tmp] == [HostSet.of(["node3"]), HostSet.of(["node4"])]
+    assert tmp[0].message == "/tmp is not writable (full, read-only or missing): Python falls back to /root"
+    assert tmp[1].message.startswith("only 8.0 KiB free in /tmp") and "TMPDIR" in tmp[1].hint
+
+
+def test_facts_recorded_before_tmp_and_writability_were_collected_find_nothing() -> None:
+    ev = evidence()
+    assert findings(ev, "system.tmp") == [] and not findings(ev, "system.workdir", WARNING)
+
+
+def test_a_tmpdir_from_the_cluster_file_that_is_missing_is_named() -> None:
+    data = recorded()
+    for h in NODES:
+        data["facts"][h].update(tmp_wanted="/tmp", tmp_dir="/tmp", tmp_free_bytes=50 << 30)
+    data["facts"]["node2"].update(tmp_wanted="/scratch/tmp", tmp_dir="(nothing: it is missing or not writable)",
+                                  tmp_free_bytes=None)
+    found = one(evidence(data), "system.tmp", WARNING)
+    assert found.hosts == HostSet.of(["node2"])
+    assert found.message == "/scratch/tmp is not writable (full, read-only or missing): a job cannot start there"
+    assert found.hint.startswith("create it there")
+
+
+def test_a_login_shell_that_prints_is_named() -> None:
+    # Reproduced on the sandbox: `echo Welcome to f5n2` at the top of the
+    # node's ~/.bashrc; corral run still worked, `corral sync` failed.
+    data = recorded()
+    data["facts"]["node3"]["login_output"] = ["Welcome to node3"]
+    found = one(evidence(data), "connectivity.login", WARNING)
+    assert found.hosts == HostSet.of(["node3"]) and "'Welcome to node3'" in found.message
+    assert "case $- in *i*)" in found.hint
+    assert findings(evidence(), "connectivity.login") == []

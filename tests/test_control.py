@@ -110,3 +110,35 @@ def test_clients_that_leave_early_print_nothing_into_the_run(tmpdir_env) -> None
     assert asyncio.run(go()) == []
     shutil.rmtree(short)
 
+
+def test_a_client_that_hangs_up_before_the_answer_is_not_a_traceback(tmp_path: Path) -> None:
+    # `corral stacks` interrupted while the head gathers the ranks' stacks: the
+    # running job's head must not print asyncio's "Unhandled exception" over
+    # the job's output.
+    import socket
+
+    errors: list[dict] = []
+
+    async def go() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        answered = asyncio.Event()
+
+        async def handler(req: str) -> dict:
+            await asyncio.sleep(0.3)
+            answered.set()
+            return {"stacks": {"0": "x" * 1_000_000}}
+
+        path = tmp_path / "ctl.sock"
+        server = await serve(path, handler)
+        try:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(path))
+            s.sendall(b"stacks\n")
+            s.close()
+            await answered.wait()
+            await asyncio.sleep(0.3)
+        finally:
+            server.close()
+
+    asyncio.run(go())
+    assert errors == []

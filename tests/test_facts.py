@@ -164,6 +164,10 @@ def test_sender_reports_a_refused_port() -> None:
     ("ssh: Could not resolve hostname n9: Name or service not known", "unresolved"),
     ("@ WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED! @", "changed-host-key"),
     ("ssh: connect to host n3 port 22: No route to host", "unreachable"),
+    # the peer's sshd dropping logins beyond MaxStartups (sandbox, `MaxStartups 1`)
+    ("Connection reset by 10.201.137.12 port 22", "closed"),
+    ("Connection closed by 10.201.137.12 port 22", "closed"),
+    ("kex_exchange_identification: read: Connection reset by peer", "closed"),
 ])
 def test_ssh_failures_are_classified(stderr: str, kind: str) -> None:
     assert node_links.classify_ssh(stderr) == kind
@@ -211,3 +215,24 @@ def test_a_listener_stops_by_itself() -> None:
     done.wait()
     assert node_links.connect([{"address": "127.0.0.1", "port": opened["port"]}], wait=1)[0]["result"] == "refused"
     node_links.unlisten(opened["port"])
+
+
+def test_tmp_fact_is_where_python_would_put_temporary_files(tmp_path, monkeypatch) -> None:
+    from corral.agent import facts as node_facts
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    got = node_facts._tmp([])
+    assert got["tmp_wanted"] == got["tmp_dir"] == str(tmp_path) and got["tmp_free_bytes"] > 0
+    # A TMPDIR that cannot be used: Python moves on, and the fact says where.
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "missing"))
+    got = node_facts._tmp([])
+    assert got["tmp_wanted"] == str(tmp_path / "missing") and got["tmp_dir"] != got["tmp_wanted"]
+
+
+def test_tmp_fact_follows_the_tmpdir_the_cluster_file_gives(tmp_path) -> None:
+    from corral.agent import facts as node_facts
+
+    got = node_facts._tmp([], str(tmp_path))
+    assert got["tmp_wanted"] == got["tmp_dir"] == str(tmp_path) and got["tmp_free_bytes"] > 0
+    got = node_facts._tmp([], str(tmp_path / "missing"))
+    assert got["tmp_wanted"] == str(tmp_path / "missing") and not got["tmp_dir"].startswith("/")

@@ -252,3 +252,22 @@ def test_wrapper_outside_its_own_session_stops_its_descendants(tmp_path: Path) -
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_sshs_fallback_when_a_node_refuses_another_session_is_not_output() -> None:
+    # A node's sshd with a low MaxSessions refuses a second session on the
+    # shared connection; ssh says so and opens its own, and the command runs:
+    # those two lines are not the command's, and would split the node from
+    # the others' identical output (seen on the sandbox with `MaxSessions 1`).
+    from corral.fanout import run_everywhere
+    from corral.model import Cluster, Host
+
+    noise = ("mux_client_request_session: session request failed: Session open refused by peer",
+             "ControlSocket /root/.cache/corral/ssh/6389e284/d585f already exists, disabling multiplexing")
+    command = "; ".join(f"echo '{line}' >&2" for line in noise) + "; echo out; echo a real error >&2"
+    seen = []
+    [res] = run_everywhere(Cluster(hosts=(Host(name="localhost", local=True),)), command,
+                           on_line=lambda host, stream, line: seen.append((stream, line)))
+    assert res.returncode == 0
+    assert res.stdout == "out\n" and res.stderr == "a real error\n"
+    assert sorted(seen) == [("err", "a real error"), ("out", "out")]

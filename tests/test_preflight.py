@@ -41,3 +41,15 @@ def test_restarts_on_node_private_disks_are_warned_about() -> None:
     assert local_disk_warning({"n1": _probe("ext4", ["a", 1, 2]), "n2": _probe(None, None)}) is None
     # containers on one machine sharing a volume see the very same directory
     assert local_disk_warning({"n1": _probe("ext4", ["a", 1, 2]), "n2": _probe("ext4", ["a", 1, 2])}) is None
+
+
+def test_a_workdir_that_is_a_link_to_nowhere_says_so(tmp_path: Path) -> None:
+    # On the sandbox, /srv/proj on one node was a link to a directory removed
+    # since: "working directory /srv/proj does not exist" hid why.
+    from corral.agent.probes import preflight
+
+    link = tmp_path / "proj"
+    link.symlink_to(tmp_path / "gone")
+    wd = preflight(workdir=str(link))["workdir"]
+    assert wd["exists"] is False and wd["link_to"] == str(tmp_path / "gone")
+    assert "link_to" not in preflight(workdir=str(tmp_path / "missing"))["workdir"]

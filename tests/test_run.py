@@ -667,3 +667,27 @@ def test_a_run_that_succeeds_after_a_caught_traceback_says_so(tmp_path: Path) ->
     caught = json.loads(res.stdout[res.stdout.index("{\n"):])["caught"]
     assert [(c["rank"], c["exception"].split(":")[0]) for c in caught] == [(1, "FileNotFoundError")]
     assert Path(caught[0]["log"]).is_file()
+
+
+def test_a_run_id_whose_directory_exists_is_an_error_that_starts_nothing(tmp_path: Path) -> None:
+    # Two runs that drew the same id (same second, same random part) must not
+    # share a run directory; the second one stops before starting anything,
+    # with a message, not a FileExistsError traceback.
+    import asyncio
+
+    from corral.errors import CorralError
+    from corral.model import Cluster, Host
+    from corral.plan import RunSpec, new_run_id
+    from corral.run import RunOptions, Runner
+
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", new_run_id())
+    marker = tmp_path / "started"
+    spec = RunSpec(program="touch", args=(str(marker),), launcher="command", workdir=str(tmp_path))
+    (tmp_path / "runs" / spec.run_id).mkdir(parents=True)
+    runner = Runner(Cluster(hosts=(Host(name="localhost", local=True, python=sys.executable),)), spec,
+                    RunOptions(runs_dir=tmp_path / "runs"), head_env=dict(os.environ), head_cwd=str(tmp_path))
+    with pytest.raises(CorralError) as e:
+        asyncio.run(runner.run())
+    assert "already exists: another corral run has the same id" in e.value.message
+    assert e.value.exit_code == 3 and not marker.exists()
+    assert list((tmp_path / "runs" / spec.run_id).iterdir()) == []

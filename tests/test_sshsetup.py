@@ -29,6 +29,7 @@ from click.testing import CliRunner
 from typing_extensions import Self
 
 from corral.cli import cli
+from corral.errors import HostError
 from corral.hostrange import fold
 from corral.model import Host
 from corral.sshsetup import hostkeys, nodeside, plan, steps
@@ -183,6 +184,26 @@ def _target(tmp_path: Path, port: int = 2222, hashed: bool = False) -> hostkeys.
         global_known_hosts=(),
         hash_known_hosts=hashed,
     )
+
+
+@pytest.mark.parametrize(("said", "maxstartups"), [
+    # what ssh-keyscan said on the sandbox with `MaxStartups 1` in the node's sshd_config
+    ("10.9.9.9: Connection closed by remote host", True),
+    ("connect (`10.9.9.9'): Connection refused", False),
+])
+def test_a_host_whose_sshd_drops_the_key_scan_is_told_apart_from_one_that_is_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, said: str, maxstartups: bool) -> None:
+    fake = tmp_path / "bin" / "ssh-keyscan"
+    fake.parent.mkdir()
+    (tmp_path / "said").write_text(said + "\n")
+    fake.write_text(f"#!/bin/sh\ncat {tmp_path / 'said'} >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(HostError) as e:
+        asyncio.run(hostkeys.scan(_target(tmp_path)))
+    assert e.value.host == "gpu1" and said in e.value.message
+    assert ("MaxStartups" in e.value.hint) is maxstartups
+    assert ("sshd listens on that port" in e.value.hint) is not maxstartups
 
 
 def _keypair(tmp_path: Path, name: str) -> tuple[str, str]:

@@ -21,7 +21,7 @@ import pytest
 
 from corral.sync import filelist, nodetree
 from corral.sync.ignore import IgnoreRules, parse
-from corral.sync.rsync import parse_progress, rsh_word
+from corral.sync.rsync import failure, parse_progress, rsh_word
 
 REPO = Path(__file__).resolve().parents[1]
 CORRAL = [sys.executable, "-m", "corral"]
@@ -299,6 +299,47 @@ def test_rsync_helpers() -> None:
 # the whole command, locally (no root): this machine to another directory
 
 
+def test_a_login_shell_that_prints_is_named_not_blamed_on_the_disk() -> None:
+    from corral.model import Host
+
+    # What rsync 3.x prints when ~/.bashrc on the node echoes a banner
+    # (reproduced on the sandbox, 2026-11-23).
+    stderr = ("protocol version mismatch -- is your shell clean?\n"
+              "(see the rsync manpage for an explanation)\n"
+              "rsync error: protocol incompatibility (code 2) at compat.c(625) [sender=3.5.0]\n")
+    err = failure(Host(name="gpu2"), 2, stderr)
+    assert err.host == "gpu2" and "login shell there writes to stdout" in err.message
+    assert "ssh gpu2 true" in err.hint and "~/.bashrc" in err.hint
+    assert "free space" not in err.hint
+    full = failure(Host(name="gpu2"), 11, "rsync: write failed on \"/srv/x\": No space left on device (28)\n"
+                                           "rsync error: error in file IO (code 11) at receiver.c(381)")
+    assert full.hint == "the node's disk is full"
+    ro = failure(Host(name="gpu2"), 23, 'rsync: [receiver] mkstemp "/srv/proj/.t.py.LItuTM" failed: '
+                                         "Read-only file system (30)\n")
+    assert "read-only file system there" in ro.hint and "dmesg" in ro.hint
+
+
+@pytest.mark.parametrize("said", [
+    # what rsync printed (corral's ssh runs with LogLevel=ERROR, so ssh says
+    # nothing) when the sandbox's node was partitioned or stopped in the
+    # middle of `corral sync` (2026-11-23)
+    "rsync error: unexplained error (code 255) at io.c(949) [sender=3.5.0]\n",
+    "rsync: [sender] write error: Broken pipe (32)\n"
+    "rsync error: unexplained error (code 255) at io.c(949) [sender=3.5.0]\n",
+])
+def test_a_node_lost_in_the_middle_of_a_sync_is_named_as_lost(said: str) -> None:
+    from corral.model import Host
+
+    err = failure(Host(name="gpu2"), 255, said)
+    assert err.kind == "lost" and "connection was lost in the middle of the copy" in err.message
+    assert "`ssh gpu2 true`" in err.hint
+    # ssh's own words still win when there are some.
+    refused = failure(Host(name="gpu2"), 255, "ssh: connect to host 10.0.0.2 port 22: Connection refused\n"
+                                                "rsync: connection unexpectedly closed (0 bytes received so far) [sender]\n"
+                                                "rsync error: unexplained error (code 255) at io.c(232) [sender=3.5.0]\n")
+    assert refused.kind == "refused"
+
+
 def _tree(root: Path) -> dict[str, list]:
     """An independent description: relative path -> [kind, mode, sha256 or link target]."""
     out = {}
@@ -565,3 +606,39 @@ def test_the_project_goes_to_the_cluster_files_workdir() -> None:
     with pytest.raises(UsageError) as e:
         with_cluster_workdir(mixed, SyncOptions())
     assert "a: /srv/proj, b: /srv/other" in e.value.message and "--to" in (e.value.hint or "")
+
+
+def test_a_destination_that_is_a_dangling_link_or_a_file_is_named(tmp_path: Path) -> None:
+    # Seen on the sandbox: `corral sync --to /srv/proj` where /srv/proj on one
+    # node was a link to a directory that no longer exists said only
+    # "FileExistsError: [Errno 17] File exists: '/srv/proj'".
+    link = tmp_path / "proj"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(nodetree.DestinationError) as e:
+        nodetree.status([{"root": str(link), "paths": ["a.py"], "scope": None}])
+    assert str(e.value).startswith(f"{link} is a symbolic link to {tmp_path / 'gone'}, which does not exist")
+    assert e.value.kind == "destination"  # shown to the user as is, without the class name
+    link.unlink()
+    link.write_text("x")
+    with pytest.raises(nodetree.DestinationError, match="exists and is not a directory"):
+        nodetree.status([{"root": str(link), "paths": ["a.py"], "scope": None}])
+    # A link to a directory that exists is followed, as before.
+    (tmp_path / "real").mkdir()
+    link.unlink()
+    link.symlink_to(tmp_path / "real")
+    [got] = nodetree.status([{"root": str(link), "paths": ["a.py"], "scope": None}])
+    assert got["root"] == str(link)
+
+
+def test_a_stat_cache_that_cannot_be_written_leaves_no_half_written_file(tmp_path: Path, monkeypatch) -> None:
+    # A node whose home directory is full: the cache is skipped, and its
+    # temporary file must not stay behind after every sync.
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    def full(obj, fh, **kw) -> None:
+        fh.write('{"a": ')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(nodetree.json, "dump", full)
+    nodetree.save_cache(str(tmp_path / "proj"), {"a": [1, 2]})
+    assert list((tmp_path / ".cache" / "corral" / "sync").iterdir()) == []

@@ -185,3 +185,33 @@ def test_a_caught_traceback_is_kept_per_rank() -> None:
             w.event("a" if rank < 2 else "b", {"ev": "line", "r": rank, "s": "log", "t": text})
     assert w.tracebacks == {("a", 0): "FileNotFoundError: [Errno 2] No such file: 'x'",
                             ("a", 1): "ValueError: bad shard"}
+
+
+def test_rank_that_left_no_exception_is_named_after_a_peers_echo_came_first() -> None:
+    # A rank on b dies without a word (its disk is full, or sys.exit(1)) and
+    # torchrun reaps it before the agent looks; a's rank sees the peer vanish
+    # and reports first, so the job is already stopping when b's torchrun
+    # names its rank: that rank is the cause, not a's echo.
+    w = watch()
+    w.event("a", {"ev": "rank_exit", "r": 1, "code": 1,
+                  "exc": "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:26028"})
+    assert w.root_cause().consequential
+    w.stopping = True
+    w.event("b", {"ev": "rank_exit", "r": 3, "code": None, "sig": None, "exc": None})
+    for line in TORCHRUN_SUMMARY.format(code=1).splitlines():
+        w.event("b", {"ev": "line", "r": None, "t": line})
+    w.event("b", {"ev": "exit", "code": 1, "sig": None})
+    cause = w.root_cause()
+    assert (cause.host, cause.rank, cause.code) == ("b", 3, 1)
+    assert not cause.consequential
+
+
+def test_ranks_the_teardown_terminated_are_not_named_from_torchruns_summary() -> None:
+    w = watch()
+    w.event("a", {"ev": "rank_exit", "r": 1, "code": 1,
+                  "exc": "RuntimeError: Connection closed by peer [10.0.0.2]:26028"})
+    w.stopping = True
+    for line in TORCHRUN_SUMMARY.format(code=-15).splitlines():
+        w.event("b", {"ev": "line", "r": None, "t": line})
+    w.event("b", {"ev": "exit", "code": 1, "sig": None})
+    assert (w.root_cause().host, w.root_cause().rank) == ("a", 1)

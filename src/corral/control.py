@@ -105,7 +105,7 @@ async def serve(path: Path, handler: Handler) -> asyncio.base_events.Server:
                 answer = {"error": f"{type(e).__name__}: {e}"}
             writer.write((json.dumps(answer) + "\n").encode())
             await writer.drain()
-        except ConnectionError:
+        except (ConnectionError, OSError):
             pass  # the client left before its answer (Ctrl-C on `corral stacks`): not the run's problem
         finally:
             writer.close()

@@ -128,24 +128,59 @@ async def gather(cluster: Cluster, options: DoctorOptions, *, head_env: Mapping[
                  if h.name in facts},
             addresses={h.name: h.connect_address for h in cluster.hosts},
         )
-        live = [pool[h] for h in ev.reachable]
-        if len(live) > 1:
-            targets = _targets(ev)
-            progress("testing TCP ports" + (" and SSH" if options.ssh else "") + " between every pair...")
-            ports, ssh = await asyncio.gather(
-                _ports(live, targets, options.ports),
-                _ssh(live, cluster) if options.ssh else _none(),
-            )
-            ev = replace(ev, ports=tuple(ports), ssh=None if ssh is None else tuple(ssh))
-            if options.links:
-                progress("measuring link throughput...")
-                addresses = {h: a[0] for h, a in targets.items() if a}
-                blocked = frozenset((p.src, p.dst) for p in ports if p.result != "ok")
-                probes = await _links(pool, addresses, options.link_seconds, blocked)
-                ev = replace(ev, links=tuple(probes))
+        try:
+            ev = await _pairs(pool, cluster, options, ev, progress)
+        except HostError as e:
+            if e.host not in ev.facts:
+                raise
+            # The pairwise tests included the lost node: none are kept.
+            return _lost(ev, e.host, e.message.split(": ", 1)[-1], e.hint, pairs=False)
+        for s in pool.sessions:
+            if s.closed and s.name in ev.facts:
+                # Lost while links were measured (those failures are per pair).
+                ev = _lost(ev, s.name, "its connection closed", None, pairs=True)
         return ev
     finally:
         await pool.close()
+
+
+def _lost(ev: Evidence, host: str, why: str, hint: str | None, *, pairs: bool) -> Evidence:
+    """``host`` went away in the middle (it went down, its link failed): it is
+    named like a node that never answered, and what was learnt of the others
+    is still checked; with ``pairs``, the pairwise results without it."""
+    def without(probes):
+        return None if probes is None else tuple(p for p in probes if host not in (p.src, p.dst))
+
+    return replace(
+        ev, facts={h: f for h, f in ev.facts.items() if h != host},
+        env={h: v for h, v in ev.env.items() if h != host},
+        clock={h: c for h, c in ev.clock.items() if h != host},
+        unreachable={**ev.unreachable, host: f"lost while testing the links between nodes: {why}"},
+        unreachable_hints={**ev.unreachable_hints, **({host: hint} if hint else {})},
+        ports=without(ev.ports) if pairs else None, ssh=without(ev.ssh) if pairs else None,
+        links=without(ev.links) if pairs else None,
+    )
+
+
+async def _pairs(pool: AgentPool, cluster: Cluster, options: DoctorOptions, ev: Evidence,
+                 progress: Progress) -> Evidence:
+    """The tests between every pair of nodes: TCP ports, SSH, link throughput."""
+    live = [pool[h] for h in ev.reachable]
+    if len(live) > 1:
+        targets = _targets(ev)
+        progress("testing TCP ports" + (" and SSH" if options.ssh else "") + " between every pair...")
+        ports, ssh = await asyncio.gather(
+            _ports(live, targets, options.ports),
+            _ssh(live, cluster) if options.ssh else _none(),
+        )
+        ev = replace(ev, ports=tuple(ports), ssh=None if ssh is None else tuple(ssh))
+        if options.links:
+            progress("measuring link throughput...")
+            addresses = {h: a[0] for h, a in targets.items() if a}
+            blocked = frozenset((p.src, p.dst) for p in ports if p.result != "ok")
+            probes = await _links(pool, addresses, options.link_seconds, blocked)
+            ev = replace(ev, links=tuple(probes))
+    return ev
 
 
 async def _links(pool: AgentPool, addresses: dict[str, str], seconds: float,
@@ -199,15 +234,18 @@ async def _facts(pool: AgentPool, cluster: Cluster, options: DoctorOptions, head
     async def one(s: AgentSession) -> dict:
         workdir = options.workdir or cluster.workdir_for(s.host) or head_cwd
         return await s.call("facts.collect", workdir=workdir, peers=peers, torch=options.torch,
-                            timeout=240)
+                            tmpdir=cluster.env_for(s.host).get("TMPDIR"), timeout=240)
 
     results = await asyncio.gather(*(one(s) for s in pool.sessions), return_exceptions=True)
     facts, failed = {}, {}
     for s, r in zip(pool.sessions, results):
         if isinstance(r, BaseException):
-            failed[s.name] = f"collecting facts failed: {getattr(r, 'message', None) or r}"
+            why = str(getattr(r, "message", None) or r)
+            if why.startswith(f"{s.name}: "):
+                why = why[len(s.name) + 2:]  # the finding names the host already
+            failed[s.name] = f"collecting facts failed: {why}"
         else:
-            facts[s.name] = {**r, "host": s.name}
+            facts[s.name] = {**r, "host": s.name, "login_output": list(s.login_output)}
     return facts, failed
 
 

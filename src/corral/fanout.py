@@ -22,6 +22,7 @@ arrives.
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -95,6 +96,15 @@ def remote_argv(command: str) -> list[str]:
 
 LineCallback = Callable[[str, str, str], None]  # (host, stream, line)
 
+#: What ssh says when the node's sshd refuses another session on the shared
+#: connection (``MaxSessions``) and it falls back to a connection of its own:
+#: the command still runs, so it is not the command's output.
+SSH_MUX_NOISE = re.compile(
+    r"^(?:mux_client_request_session: session request failed: .*"
+    r"|ControlSocket .* already exists, disabling multiplexing)\r?(?:\n|$)",
+    re.MULTILINE,
+)
+
 
 class _Job:
     """One host's ssh (or local sh) process and what it has said so far."""
@@ -130,7 +140,7 @@ class _Job:
             self.proc.stdin.close()
         rc = self.proc.returncode if self.proc.returncode is not None else 255
         stdout = b"".join(self.chunks["out"]).decode(errors="replace")
-        stderr = b"".join(self.chunks["err"]).decode(errors="replace")
+        stderr = SSH_MUX_NOISE.sub("", b"".join(self.chunks["err"]).decode(errors="replace"))
         name = self.host.name
         if self.timed_out:
             error = HostError(name, f"did not finish within {timeout:.0f}s; stopped it",
@@ -270,7 +280,10 @@ def _read(sel: selectors.BaseSelector, key: selectors.SelectorKey,
     if on_line is not None:
         *lines, job.partial[stream] = (job.partial[stream] + data).split(b"\n")
         for line in lines:
-            on_line(job.host.name, stream, line.decode(errors="replace"))
+            text = line.decode(errors="replace")
+            if stream == "err" and SSH_MUX_NOISE.match(text):
+                continue
+            on_line(job.host.name, stream, text)
 
 
 @contextmanager

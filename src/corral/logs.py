@@ -19,6 +19,7 @@ import json
 import os
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import IO, Any
 
 RUN_FILE = "run.json"
@@ -33,11 +34,31 @@ def _safe(name: str) -> str:
 class RunLogs:
     """Writes one run's directory."""
 
-    def __init__(self, root: Path, run_id: str):
+    def __init__(self, root: Path, run_id: str, on_error: Callable[[str], None] | None = None):
         self.dir = Path(root) / run_id
         self.dir.mkdir(parents=True, exist_ok=False)
         self._files: dict[tuple[str, int | None], IO[str]] = {}
         self._last_flush = 0.0
+        #: Why the logs stopped being written (a full disk), once that happened.
+        self.error: str | None = None
+        self._on_error = on_error
+
+    def _failed(self, err: OSError) -> None:
+        """The disk under the run directory failed (full, read-only, gone):
+        the logs stop, said once; the job is not the logs' to stop, and an
+        exception here would end the reading of a node's events (which then
+        looks like a lost node)."""
+        if self.error is not None:
+            return
+        self.error = f"cannot write the run's logs in {self.dir}: {err.strerror or err}"
+        for f in self._files.values():
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._files.clear()
+        if self._on_error is not None:
+            self._on_error(self.error)
 
     def path_for(self, host: str, rank: int | None) -> Path:
         name = "launcher.log" if rank is None else f"rank{rank}.log"
@@ -54,17 +75,29 @@ class RunLogs:
         return f
 
     def line(self, host: str, rank: int | None, text: str) -> None:
-        self._file(host, rank).write(text + "\n")
-        self._maybe_flush()
+        self._write(host, rank, text + "\n")
 
     def status(self, host: str, rank: int | None, text: str) -> None:
-        self._file(host, rank).write(text + "\r")
-        self._maybe_flush()
+        self._write(host, rank, text + "\r")
+
+    def _write(self, host: str, rank: int | None, text: str) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._file(host, rank).write(text)
+            self._maybe_flush()
+        except OSError as e:
+            self._failed(e)
 
     def marker(self, text: str) -> None:
         """A line in every open log (e.g. the start of a restart attempt)."""
-        for f in self._files.values():
-            f.write(f"----- corral: {text} -----\n")
+        if self.error is not None:
+            return
+        try:
+            for f in self._files.values():
+                f.write(f"----- corral: {text} -----\n")
+        except OSError as e:
+            self._failed(e)
         self.flush()
 
     def _maybe_flush(self) -> None:
@@ -73,19 +106,32 @@ class RunLogs:
             self.flush()
 
     def flush(self) -> None:
-        for f in self._files.values():
-            f.flush()
+        try:
+            for f in self._files.values():
+                f.flush()
+        except OSError as e:
+            self._failed(e)
         self._last_flush = time.monotonic()
 
     def write_record(self, record: dict[str, Any]) -> None:
         """run.json, written atomically (never a half-written file)."""
         tmp = self.dir / (RUN_FILE + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        os.replace(tmp, self.dir / RUN_FILE)
+        try:
+            tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+            os.replace(tmp, self.dir / RUN_FILE)
+        except OSError as e:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            self._failed(e)
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
+        for f in list(self._files.values()):
+            try:
+                f.close()
+            except OSError as e:
+                self._failed(e)
         self._files.clear()
 
 

@@ -92,8 +92,9 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
         r = results[s.name]
         wd = r.get("workdir") or {}
         if wd and not wd.get("exists"):
+            dangling = f" (it is a symbolic link to {wd['link_to']}, which does not exist)" if wd.get("link_to") else ""
             problems.append(HostError(
-                s.name, f"working directory {wd.get('path')} does not exist",
+                s.name, f"working directory {wd.get('path')} does not exist{dangling}",
                 hint="copy the project there first (`corral sync`, or `corral run --sync`), "
                      "or choose another with --workdir / `workdir` in the cluster file",
                 kind="no-workdir"))

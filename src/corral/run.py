@@ -37,7 +37,7 @@ from corral import ui
 from corral.agent.bundle import hook_source, preload_modules
 from corral.agent.session import AgentPool, AgentSession
 from corral.control import collect_stacks, control_path, serve
-from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, UsageError
+from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, CorralError, UsageError
 from corral.logs import RunLogs
 from corral.model import Cluster
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan
@@ -386,7 +386,20 @@ class Runner:
     async def _attempt(self, number: int) -> RunResult:
         pool, plan = await self._open_and_plan()
         if self.logs is None:
-            self.logs = RunLogs(self.options.runs_dir, self.spec.run_id)
+            try:
+                self.logs = RunLogs(
+                    self.options.runs_dir, self.spec.run_id,
+                    on_error=lambda why: self.view.message(
+                        f"{why}: the job goes on, its output only on this terminal (free space "
+                        "there, or --runs-dir / $CORRAL_RUNS_DIR elsewhere, for the next run)"))
+            except FileExistsError:
+                # Another run took this id (started in the same second, same
+                # random part): never write into its directory.
+                await pool.close(timeout=self.options.grace + 5)
+                raise CorralError(
+                    f"run directory {self.options.runs_dir / self.spec.run_id} already exists: another "
+                    "corral run has the same id; nothing was started",
+                    hint="run the command again (it draws a new id)", exit_code=EXIT_INFRA) from None
         watch = JobWatch(plan, sinks=[_LogSink(self.logs), self.view])
         self.attempt = _Attempt(plan=plan, watch=watch, pool=pool)
         self._record(plan, "running", None, number)

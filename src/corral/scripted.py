@@ -100,7 +100,14 @@ async def run_workload(
     started = time.monotonic()
     pool = AgentPool(cluster, tag=f"corral-scratch-{script.split('.')[0]}",
                      connect_timeout=connect_timeout)
-    await pool.open()
+    try:
+        await pool.open()
+    except PreflightError as e:
+        # A node that answered a moment ago is gone (it went down, its sshd
+        # died): that is this run's result, for the caller's report, not an
+        # error that throws the report away.
+        return ScriptRun(result=None, preflight=e, marks=(), lines=(), timed_out=False,
+                         seconds=time.monotonic() - started, run_dir=None)
     runs_dir = Path(tempfile.mkdtemp(prefix="corral-workload-"))
     capture = _Capture(marker)
     result: RunResult | None = None

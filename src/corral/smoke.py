@@ -70,10 +70,12 @@ def outcome(run: ScriptRun, ev: Evidence, *, backend: str, timeout: float) -> Sm
             log=str(run.result.failure_log) if run.result and run.result.failure_log else log)
     if run.preflight is not None:
         first = run.preflight.problems[0] if run.preflight.problems else None
+        host = getattr(first, "host", None)
+        message = first.message if first else run.preflight.message
+        if host and message.startswith(f"{host}: "):
+            message = message[len(host) + 2:]  # the outcome names the host
         return SmokeOutcome(status="failed", backend=backend, seconds=run.seconds,
-                            host=getattr(first, "host", None),
-                            message=(first.message if first else run.preflight.message),
-                            log=log)
+                            host=host, message=message, log=log)
     result = run.result
     f = result.failure if result is not None else None
     tail = tuple(result.failure_tail[-12:]) if result is not None else ()

@@ -254,6 +254,15 @@ class JobWatch:
                 # child that lost its peer): this node's own rank may be the
                 # one that failed, its exit only arriving after its children's.
                 self._rank_from_node_exit(host, node)
+            elif node.exit_code or node.exit_signal:
+                # Stopping already because another node's rank saw its peer
+                # vanish: this node, given the grace to report, may hold the
+                # rank that went first -- one whose status torchrun reaped
+                # before the agent looked and that wrote no exception (a full
+                # disk, ``sys.exit(1)``).  torchrun's summary names it.
+                cause = self.root_cause()
+                if cause is not None and cause.consequential:
+                    self._rank_from_launcher(host, node, stopping=True)
         elif kind == "closed":
             if not node.exited:
                 self.lose(host, ev.get("error") or "the connection to its agent closed")
@@ -305,7 +314,7 @@ class JobWatch:
         self._fail(Failure(host=host, rank=ev.get("r"), kind="signal" if sig else "exit",
                            code=code, signal=sig, exc=exc, consequential=consequential))
 
-    def _rank_from_launcher(self, host: str, node: NodeState) -> None:
+    def _rank_from_launcher(self, host: str, node: NodeState, stopping: bool = False) -> None:
         """The failed rank as torchrun's own summary names it, when the agent saw no rank fail.
 
         The agent reads a rank's exit status from /proc while the launcher has
@@ -318,6 +327,8 @@ class JobWatch:
         if found is None:
             return
         rank, code = found
+        if stopping and code < 0 and (-code in _TERMINATED or -code == int(_signal.SIGKILL)):
+            return  # our own teardown reached it
         tail = "\n".join(list(self.tails[rank])[-30:])
         self._fail(Failure(host=host, rank=rank, kind="signal" if code < 0 else "exit",
                            code=code if code > 0 else None, signal=-code if code < 0 else None,

@@ -82,7 +82,7 @@ def clock() -> float:
     return time.time()
 
 
-def collect(workdir=None, peers=(), torch=True, torch_timeout=90.0) -> dict:
+def collect(workdir=None, peers=(), torch=True, torch_timeout=90.0, tmpdir=None) -> dict:
     """Everything doctor needs about this node, in one call.
 
     ``peers``: ``[{"name": ..., "address": ...}]`` for every host of the
@@ -113,6 +113,7 @@ def collect(workdir=None, peers=(), torch=True, torch_timeout=90.0) -> dict:
     facts["infiniband"] = _infiniband(errors)
     facts["shm_bytes"] = _fs_size("/dev/shm", errors)
     facts.update(_workdir(workdir, errors))
+    facts.update(_tmp(errors, tmpdir))
     facts["memlock"] = _memlock()
     facts["env"] = _env()
     names = [p.get("name") for p in peers if p.get("name")]
@@ -164,6 +165,10 @@ def _workdir(workdir, errors) -> dict:
     if not workdir:
         return out
     out["workdir_exists"] = os.path.isdir(workdir)
+    if out["workdir_exists"]:
+        # access(2) answers EROFS for a read-only mount, and the login
+        # user's permissions otherwise: what the job will meet.
+        out["workdir_writable"] = os.access(workdir, os.W_OK)
     probe = workdir
     while probe and not os.path.isdir(probe):
         parent = os.path.dirname(probe)
@@ -175,6 +180,36 @@ def _workdir(workdir, errors) -> dict:
         out["disk_free_bytes"] = st.f_bavail * st.f_frsize
     except OSError as e:
         errors.append(f"disk free in {probe}: {e.strerror or e}")
+    return out
+
+
+def _tmp(errors, tmpdir=None) -> dict:
+    """Where a job's temporary files go (corral's job directory, the ranks'
+    output files, torch's): ``tmpdir`` (the job's TMPDIR from the cluster
+    file) when given, else the first of $TMPDIR, $TEMP, $TMP, /tmp that
+    Python finds writable -- and when none is, Python falls back to
+    /var/tmp, /usr/tmp, then the current directory, without a word."""
+    import tempfile
+
+    out = {"tmp_wanted": None, "tmp_dir": None, "tmp_free_bytes": None}
+    try:
+        if tmpdir:
+            out["tmp_wanted"] = tmpdir
+            out["tmp_dir"] = tmpdir if os.path.isdir(tmpdir) and os.access(tmpdir, os.W_OK) else None
+            if out["tmp_dir"] is None:
+                out["tmp_dir"] = "(nothing: it is missing or not writable)"
+                return out
+        else:
+            out["tmp_wanted"] = tempfile._candidate_tempdir_list()[0]
+            out["tmp_dir"] = tempfile._get_default_tempdir()  # uncached: what a new process picks
+    except (AttributeError, IndexError, OSError) as e:
+        errors.append(f"temporary directory: {e}")
+        return out
+    try:
+        st = os.statvfs(out["tmp_dir"])
+        out["tmp_free_bytes"] = st.f_bavail * st.f_frsize
+    except OSError as e:
+        errors.append(f"disk free in {out['tmp_dir']}: {e.strerror or e}")
     return out
 
 

@@ -150,8 +150,8 @@ def ssh_check(targets, connect_timeout=5) -> list:
 
     ``targets``: ``[{"name", "port", "user"}]``; adds ``"result"`` (``ok``,
     ``unknown-host-key``, ``changed-host-key``, ``permission-denied``,
-    ``refused``, ``timeout``, ``unresolved``, ``unreachable``, ``no-ssh``,
-    ``error``) and ``"detail"`` (ssh's last line) to each.
+    ``refused``, ``closed``, ``timeout``, ``unresolved``, ``unreachable``,
+    ``no-ssh``, ``error``) and ``"detail"`` (ssh's last line) to each.
     """
     exe = shutil.which("ssh")
     out = [dict(t) for t in targets]
@@ -207,6 +207,9 @@ def classify_ssh(stderr) -> str:
         return "timeout"
     if "no route to host" in text or "network is unreachable" in text:
         return "unreachable"
+    if ("kex_exchange_identification" in text or "connection closed by" in text
+            or "connection reset by" in text):
+        return "closed"  # by the peer's sshd before any login: MaxStartups, DenyUsers, hosts.deny
     return "error"
 
 

@@ -30,6 +30,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,10 +87,30 @@ _AGENT_PID = os.getpid()
 #: How often the agent says it is alive, and how long it tolerates a silent head.
 HEARTBEAT_S = 1.0
 DEFAULT_HEAD_TIMEOUT_S = 10.0
+#: A failed job whose temporary directory has less free space than this filled it.
+TMP_FULL_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------
 # The agent
+
+
+def limit_note(e: BaseException) -> str:
+    """What to do about a start that failed on a per-user limit of the node."""
+    import errno
+    import resource
+
+    if getattr(e, "errno", None) == errno.EMFILE:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return (" (this node's open-files limit for the login, `ulimit -n`, is %d: raise it, e.g. in "
+                "/etc/security/limits.conf or the login shell's start-up files; training needs "
+                "thousands)" % soft)
+    if getattr(e, "errno", None) == errno.EAGAIN:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        return (" (this node's process limit for the login, `ulimit -u`, is %s, or the machine is "
+                "out of processes: raise it, e.g. in /etc/security/limits.conf)"
+                % ("unlimited" if soft == resource.RLIM_INFINITY else soft))
+    return ""
 
 
 class Agent:
@@ -161,7 +182,9 @@ class Agent:
             with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as f:
                 f.write(spec["hook_source"])
         except OSError as e:
-            self.chan.send(ev="fatal", t="cannot create %s: %s" % (self.workdir_tmp, e))
+            self.chan.send(ev="fatal", t="cannot create %s: %s (the job's files go to its $TMPDIR, else "
+                                         "/tmp: free space there, or set TMPDIR for this host with `env` "
+                                         "in the cluster file)" % (self.workdir_tmp, e))
             self.cleanup_tmp()
             return
         env = job_environment(dict(os.environ), spec.get("env", {}))
@@ -185,7 +208,8 @@ class Agent:
                     preexec_fn=_die_with_agent,  # noqa: PLW1509 - only a prctl call
                 )
             except (OSError, subprocess.SubprocessError) as e:
-                self.chan.send(ev="exit", code=127, sig=None, error="cannot start %s: %s" % (spec["argv"][0], e))
+                self.chan.send(ev="exit", code=127, sig=None,
+                               error="cannot start %s: %s%s" % (spec["argv"][0], e, limit_note(e)))
                 self.cleanup_tmp()
                 return
         pipe_rank = spec.get("pipe_rank")
@@ -324,9 +348,31 @@ class Agent:
             self.tailer.stop_evt.set()
             self.tailer.join(timeout=600.0)
         rc = self.proc.returncode
+        if rc != 0:
+            self.say_if_tmp_full()
         self.chan.send(ev="exit", code=rc if rc >= 0 else None, sig=-rc if rc < 0 else None)
         self.proc = None
         self.cleanup_tmp()
+
+    def say_if_tmp_full(self) -> None:
+        """A failed job whose directory's file system is full: its ranks died
+        writing their output there, their last words (the traceback) unwritten.
+        Say so among the launcher's lines, with errno 28's words (which the
+        diagnosis knows)."""
+        if not self.workdir_tmp:
+            return
+        try:
+            st = os.statvfs(self.workdir_tmp)
+        except OSError:
+            return
+        free = st.f_bavail * st.f_frsize
+        if free >= TMP_FULL_BYTES:
+            return
+        self.chan.send(ev="line", r=None, s="err", t=(
+            "corral: %s: [Errno 28] No space left on device (%d bytes free on %s): the ranks' output "
+            "goes there, so their last lines (a traceback) may be missing; free space there, or set "
+            "TMPDIR for this host (`env` in the cluster file)"
+            % (os.path.dirname(self.workdir_tmp), free, socket.gethostname())))
 
     def make_tmp(self, spec: dict) -> str:
         """The job's own temporary directory, ``$TMPDIR/corral-<uid>/<run-id>-<attempt>``.
@@ -340,7 +386,10 @@ class Agent:
         self.tmp_root = None
         tmp = spec.get("tmp_dir")
         if not tmp:
-            root = os.path.join(tempfile.gettempdir(), "corral-%d" % os.getuid())
+            # The job's own TMPDIR (`--env TMPDIR=...`, the cluster file's
+            # `env`) first: where its files are meant to go on this node.
+            base = (spec.get("env") or {}).get("TMPDIR") or tempfile.gettempdir()
+            root = os.path.join(base, "corral-%d" % os.getuid())
             tmp = os.path.join(root, spec.get("tag", "run"))
             self.workdir_tmp = tmp
             self.tmp_root = root

@@ -190,6 +190,8 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
         result["workdir"] = {"path": workdir, "exists": exists, "writable": exists and os.access(workdir, os.W_OK),
                              "fstype": fstype(workdir) if exists else None,
                              "identity": dir_identity(workdir) if exists else None}
+        if not exists and os.path.islink(workdir):
+            result["workdir"]["link_to"] = os.readlink(workdir)  # a link to a directory that is gone
         base = workdir if exists else None
     for p in paths:
         full = p if os.path.isabs(p) or base is None else os.path.join(base, p)

@@ -62,6 +62,8 @@ class AgentSession:
     closed: bool = False
     exit_event: Event | None = None
     _stderr: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50))
+    #: What the login shell printed on stdout before the agent started (should be nothing).
+    login_output: list[str] = field(default_factory=list)
     _pending: dict[int, asyncio.Future] = field(default_factory=dict)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -84,6 +86,10 @@ class AgentSession:
         log.debug("%s: %s", self.name, argv)
         loop = asyncio.get_running_loop()
         self._hello = loop.create_future()
+        # Once start() has given up (timeout, Ctrl-C), the connection's end
+        # still fails _hello; that is no news (asyncio would print "Future
+        # exception was never retrieved" over the user's terminal).
+        self._hello.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._lost = loop.create_future()
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -115,7 +121,9 @@ class AgentSession:
         except asyncio.TimeoutError:
             await self.kill()
             raise HostError(self.name, f"no answer from the agent within {timeout:.0f}s",
-                            hint="check that the host is not overloaded and its Python starts", kind="timeout") from None
+                            hint=f"check that the host is not overloaded, its Python starts, and logging in is quick "
+                                 f"(`time ssh {self.name} true`: a slow ~/.bashrc, a hung home directory)",
+                            kind="timeout") from None
         except HostError:
             await self.kill()
             raise
@@ -136,7 +144,12 @@ class AgentSession:
             try:
                 ev = json.loads(line)
             except ValueError:
-                self._stderr.append(line.decode(errors="replace").rstrip())
+                text = line.decode(errors="replace").rstrip()
+                self._stderr.append(text)
+                if not self.hello and text.strip() and len(self.login_output) < 5:
+                    # Before the agent speaks: the login shell's own output
+                    # (a banner in ~/.bashrc), which breaks rsync and scp.
+                    self.login_output.append(text)
                 continue
             self._dispatch(ev)
         await self._ended()
@@ -191,7 +204,16 @@ class AgentSession:
             self._lost.set_result(err)
         self.closed = True
         if self.on_event is not None:
-            self.on_event(self, {"ev": "closed", "rc": rc, "error": err.message})
+            why = err.message
+            if why.startswith(f"{self.name}: "):
+                why = why[len(self.name) + 2:]  # the host is named by whoever reports it
+            if self.hello and err.kind == "ssh-failed" and not self.stderr_text.strip():
+                # It had answered, and ssh ended without a word of its own
+                # (it runs with LogLevel=ERROR): a crash or reboot, not a
+                # network silence (that is a missed heartbeat instead).
+                why = ("its connection closed (ssh ended without a message): the node went down or "
+                       "rebooted, or its sshd or corral's agent there was killed")
+            self.on_event(self, {"ev": "closed", "rc": rc, "error": why})
 
     async def _ping(self) -> None:
         while not self.closed:

@@ -56,6 +56,7 @@ ALL_CHECKS: tuple[Check, ...] = (
     *network.CHECKS,
     connectivity.ports,
     connectivity.ssh_mesh,
+    connectivity.login_output,
     connectivity.links,
     connectivity.smoke,
 )

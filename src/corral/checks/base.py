@@ -74,7 +74,7 @@ class SshProbe:
     src: str
     dst: str
     #: ok | unknown-host-key | changed-host-key | permission-denied | refused |
-    #: timeout | unresolved | unreachable | no-ssh | error
+    #: closed | timeout | unresolved | unreachable | no-ssh | error
     result: str
     detail: str = ""
 

@@ -13,6 +13,7 @@ from corral.checks.base import (
     Evidence,
     Finding,
     LinkProbe,
+    group_hosts,
     human_bps,
 )
 from corral.checks.nics import active_ib_ports
@@ -34,6 +35,10 @@ _SSH_HINTS = {
     "permission-denied": "the source node's key is not in the peer's authorized_keys: "
                          "`corral ssh setup` authorizes every node on every node",
     "refused": "no sshd on the peer's port (or a REJECT rule): check sshd and the port",
+    "closed": "the peer's sshd closed the connection before any login: too many logins arriving "
+              "at once (its MaxStartups, 10:30:100 by default, and this check logs in from every node "
+              "at once; raise it, e.g. `MaxStartups 200:30:400` in its sshd_config), or an AllowUsers/"
+              "DenyUsers or /etc/hosts.deny rule; its sshd log says which",
     "timeout": "ssh timed out: a firewall drops port 22 (or the cluster file's port) between them",
     "unresolved": "the source node cannot resolve the peer's name: add it to /etc/hosts there",
     "unreachable": "no route from the source node to the peer",
@@ -233,4 +238,17 @@ def smoke(ev: Evidence) -> list[Finding]:
     )]
 
 
-CHECKS = (agents, ports, ssh_mesh, links, smoke)
+def login_output(ev: Evidence) -> list[Finding]:
+    """A login shell that writes to stdout for non-interactive logins (a banner
+    or an ``echo`` in ~/.bashrc) garbles rsync's and scp's protocols."""
+    noisy = {h: ev.facts[h]["login_output"][0] for h in ev.reachable if ev.facts[h].get("login_output")}
+    return [Finding(
+        check="connectivity.login", severity=WARNING, hosts=hosts,
+        message=f"the login shell writes to stdout before any command runs ({text!r}): rsync "
+                "(`corral sync`) and scp fail on it",
+        hint="`ssh <host> true` must print nothing: move that output in ~/.bashrc, ~/.profile or "
+             "/etc/bash.bashrc under `case $- in *i*)` (interactive shells only)",
+    ) for text, hosts in group_hosts(noisy)]
+
+
+CHECKS = (agents, ports, ssh_mesh, login_output, links, smoke)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from corral.checks.base import (
@@ -21,6 +22,9 @@ MAX_SKEW_S = 1.0
 MIN_SHM_BYTES = 1 << 30
 #: Free space in the working directory below which checkpoints will not fit.
 MIN_DISK_BYTES = 10 << 30
+#: Free space in the temporary directory below which the ranks' output files
+#: (corral's job directory) and torch's caches fill it during a run.
+MIN_TMP_BYTES = 256 << 20
 
 
 def clock_skew(ev: Evidence) -> list[Finding]:
@@ -76,11 +80,14 @@ def workdir(ev: Evidence) -> list[Finding]:
     """The working directory exists and has room for checkpoints."""
     out: list[Finding] = []
     missing: dict[str, str] = {}
+    readonly: dict[str, str] = {}
     low: dict[str, int] = {}
     for h in ev.reachable:
         f = ev.facts[h]
         if f.get("workdir") and f.get("workdir_exists") is False:
             missing[h] = f["workdir"]
+        if f.get("workdir") and f.get("workdir_writable") is False:
+            readonly[h] = f["workdir"]
         free = f.get("disk_free_bytes")
         if free is not None and free < MIN_DISK_BYTES:
             low[h] = free
@@ -90,6 +97,15 @@ def workdir(ev: Evidence) -> list[Finding]:
             message=f"working directory {path} does not exist",
             hint="`corral sync` copies the project there (or `corral run --sync`); or set "
                  "`workdir` in the cluster file",
+        ))
+    for path, hosts in group_hosts(readonly):
+        out.append(Finding(
+            check="system.workdir", severity=WARNING, hosts=hosts,
+            message=f"working directory {path} is not writable (a read-only mount, or the login "
+                    "user lacks permission)",
+            hint="a job that writes checkpoints or logs there will fail: remount it read-write (a file system "
+                 "the kernel remounted read-only after disk errors shows in `dmesg`), fix its "
+                 "ownership, or choose another `workdir`",
         ))
     for h, free in low.items():
         out.append(Finding(
@@ -103,6 +119,40 @@ def workdir(ev: Evidence) -> list[Finding]:
         least = min(x for x in frees if x is not None)
         out.append(Finding(check="system.disk", severity=OK, hosts=HostSet.of(ev.reachable),
                            message=f"working directory present, at least {human_bytes(least)} free"))
+    return out
+
+
+def tmp(ev: Evidence) -> list[Finding]:
+    """The temporary directory (where corral puts a job's files on each node)
+    is the one asked for, and has room."""
+    out: list[Finding] = []
+    moved: dict[str, str] = {}
+    low: dict[str, int] = {}
+    for h in ev.reachable:
+        f = ev.facts[h]
+        wanted, got, free = f.get("tmp_wanted"), f.get("tmp_dir"), f.get("tmp_free_bytes")
+        if wanted and got and os.path.normpath(wanted) != os.path.normpath(got):
+            moved[h] = (f"{wanted} is not writable (full, read-only or missing): "
+                        + (f"Python falls back to {got}" if got.startswith("/") else "a job cannot start there"))
+        elif free is not None and free < MIN_TMP_BYTES:
+            low[h] = free
+    for why, hosts in group_hosts(moved):
+        out.append(Finding(
+            check="system.tmp", severity=WARNING, hosts=hosts, message=why,
+            hint="a job's files (corral's job directory with the ranks' output, torch's caches) land "
+                 "there instead; free space in it, or set TMPDIR to a writable local directory in "
+                 "the cluster file's `env`" if "falls back" in why else
+                 "create it there (writable by the login user), or change TMPDIR in the cluster "
+                 "file's `env`",
+        ))
+    for h, free in low.items():
+        out.append(Finding(
+            check="system.tmp", severity=WARNING, hosts=HostSet.of([h]),
+            message=f"only {human_bytes(free)} free in {ev.facts[h].get('tmp_dir')}",
+            hint="corral puts each job's directory there (the ranks' output as they write it): a full "
+                 "one stops ranks mid-run, their last words unwritten; free space, or set TMPDIR in "
+                 "the cluster file's `env`",
+        ))
     return out
 
 
@@ -135,4 +185,4 @@ def collection_errors(ev: Evidence) -> list[Finding]:
                     message=f"could not collect: {err}") for err, hosts in by_error.items()]
 
 
-CHECKS = (clock_skew, shm, workdir, memlock, collection_errors)
+CHECKS = (clock_skew, shm, workdir, tmp, memlock, collection_errors)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from corral.console import RunConsole, parse_ranks
 from corral.errors import UsageError
 from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.logs import default_runs_dir
-from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, parse_env_flags
+from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, new_run_id, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
 from corral.scriptcheck import script_and_args, self_launch_note
 from corral.stacks import fold_ranks
@@ -136,8 +137,13 @@ def run(
     if dry_run:
         _dry_run(cluster, spec, as_json)
         return
+    runs_dir = runs_dir or default_runs_dir(Path.cwd())
+    for _ in range(5):  # a leftover directory (or a clock set back): draw again
+        if not (runs_dir / spec.run_id).exists():
+            break
+        spec = dataclasses.replace(spec, run_id=new_run_id())
     options = RunOptions(
-        runs_dir=runs_dir or default_runs_dir(Path.cwd()), max_restarts=max_restarts,
+        runs_dir=runs_dir, max_restarts=max_restarts,
         node_timeout=node_timeout, grace=grace, hang_timeout=hang_timeout,
         shown_ranks=None if status_ranks is None else frozenset(status_ranks),
     )

@@ -28,6 +28,7 @@ import ipaddress
 import logging
 import os
 import pwd
+import re
 import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -150,12 +151,20 @@ async def scan(target: Target) -> list[tuple[str, str]]:
         reason = [
             l for l in err.decode(errors="replace").splitlines() if l and not l.startswith("#")
         ]
+        hint = ("check that the host is up and sshd listens on that port "
+                "(containers often use `port = 2222` in corral.toml)")
+        if reason and re.search(r"Connection (closed|reset) by|kex_exchange_identification", reason[-1]):
+            # It answered, then dropped the connections before the key
+            # exchange: ssh-keyscan opens one per key type at once.
+            hint = ("its sshd dropped the connections before the key exchange: too many at once "
+                    "(its MaxStartups; ssh-keyscan opens one per key type, so a MaxStartups under 4 "
+                    "or a busy sshd is enough), or an /etc/hosts.deny rule; raise MaxStartups in its "
+                    "sshd_config, or retry when it is less busy")
         raise HostError(
             target.host.name,
             f"no SSH host key from {target.hostname}:{target.port}"
             + (f" ({reason[-1]})" if reason else ""),
-            hint="check that the host is up and sshd listens on that port "
-            "(containers often use `port = 2222` in corral.toml)",
+            hint=hint,
             kind="unreachable",
         )
     return keys

@@ -72,14 +72,19 @@ def load_cache(root: str) -> dict:
 
 def save_cache(root: str, cache: dict) -> None:
     path = cache_file(root)
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
             json.dump(cache, fh, separators=(",", ":"))
         os.replace(tmp, path)
     except OSError:
-        pass  # a cache, never a reason to fail
+        # A cache, never a reason to fail -- nor to leave a half-written
+        # file in the home directory (a full disk, at every sync).
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def file_digest(path: str) -> str:
@@ -170,6 +175,27 @@ def _walk_extra(root: str, scope: list, expected: dict) -> list:
     return sorted(set(extra))
 
 
+class DestinationError(Exception):
+    """The destination cannot be made; the message is for the user as is."""
+
+    kind = "destination"
+
+
+def _make_root(root: str) -> None:
+    try:
+        os.makedirs(root, exist_ok=True)
+    except FileExistsError:
+        # Not a directory, though something is there: a link to nowhere, or a file.
+        if os.path.islink(root):
+            raise DestinationError(
+                "%s is a symbolic link to %s, which does not exist: create that directory, or "
+                "remove the link (then sync again)" % (root, os.readlink(root))) from None
+        raise DestinationError("%s exists and is not a directory: move it away, or choose "
+                               "another destination (--to)" % root) from None
+    except OSError as e:
+        raise DestinationError("cannot create %s: %s" % (root, e.strerror or e)) from None
+
+
 def status(units: list, dry_run: bool = False) -> list:
     """For each unit ``{"root", "paths": [...], "scope": [dirs] | None}``: the
     node's entries for those paths (the head compares them with its own),
@@ -180,7 +206,7 @@ def status(units: list, dry_run: bool = False) -> list:
         root, paths = unit["root"], unit["paths"]
         exists = os.path.isdir(root)
         if not exists and not dry_run:
-            os.makedirs(root, exist_ok=True)
+            _make_root(root)
         if exists:
             got = manifest(root, paths, save=not dry_run)
         else:

@@ -136,7 +136,32 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
             kind="no-rsync",
         )
     if rc == 255 or "connection unexpectedly closed" in text and "ssh:" in text:
-        return classify_ssh_failure(host, 255, text)
+        err = classify_ssh_failure(host, 255, text)
+        if err.kind == "ssh-failed" and re.search(r"unexplained error \(code 255\)|Broken pipe", text):
+            # ssh ended without a word of its own (corral runs it with
+            # LogLevel=ERROR, which keeps "Timeout, server not responding"
+            # and "closed by remote host" quiet): the link died mid-copy.
+            return HostError(
+                host.name,
+                "the connection was lost in the middle of the copy (the node went down or rebooted, "
+                "or the network to it failed)",
+                hint=f"check that {host.name} is up and reachable (`ssh {host.name} true`), then sync "
+                     "again: files already copied are not sent twice",
+                kind="lost",
+            )
+        return err
+    if "protocol version mismatch" in text or "is your shell clean" in text:
+        # The classic: a banner or `echo` in a shell start-up file of the
+        # login user lands in rsync's protocol stream.
+        return HostError(
+            host.name,
+            f"rsync failed (exit {rc}): the login shell there writes to stdout, "
+            "which garbles rsync's protocol (\"protocol version mismatch -- is your shell clean?\")",
+            hint=f"`ssh {host.name} true` must print nothing: move the output (an echo, a banner) in "
+                 "its ~/.bashrc, ~/.profile or /etc/bash.bashrc under `case $- in *i*)` "
+                 "(interactive shells only)",
+            kind="rsync",
+        )
     lines = [
         l for l in text.splitlines() if l.strip() and not l.startswith("rsync error: some files")
     ]
@@ -146,4 +171,7 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
         hint = "the login user cannot write there: pick a writable --to, or fix ownership"
     elif "No space left" in text:
         hint = "the node's disk is full"
+    elif "Read-only file system" in text:
+        hint = ("the destination is on a read-only file system there (a read-only mount, or one the "
+                "kernel remounted read-only after disk errors: `dmesg` on it); pick a writable --to")
     return HostError(host.name, f"rsync failed (exit {rc}): {last}", hint=hint, kind="rsync")

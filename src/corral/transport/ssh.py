@@ -201,6 +201,18 @@ def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
             hint=f"install Python 3.8+ on {host.name} or set `python` for it in the cluster file",
             kind="no-python",
         )
+    if not text and returncode == SSH_ERROR:
+        # corral's ssh runs with LogLevel=ERROR: every failure to connect or
+        # log in says something, while a connection that closes under a
+        # running command ("closed by remote host", unanswered keep-alives)
+        # is only an info message, left out.
+        return HostError(
+            host.name,
+            "ssh failed: exit code 255 without a message: the connection closed while the command ran",
+            hint=f"the node went down or rebooted, its sshd was killed, or the network to it failed "
+                 f"(or the command itself exited with 255): check that `ssh {host.name} true` works",
+            kind="ssh-failed",
+        )
     last = text.splitlines()[-1] if text else f"exit code {returncode}"
     return HostError(host.name, f"ssh failed: {last}", kind="ssh-failed")
 
