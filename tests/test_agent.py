@@ -486,3 +486,35 @@ def test_what_the_login_shell_prints_before_the_agent_is_kept_apart(tmp_path) ->
             await s.kill()
 
     assert asyncio.run(go()) == ["Welcome to gpu2"]
+
+
+def test_a_failing_event_handler_does_not_end_the_session(tmp_path, caplog) -> None:
+    # A bug in what handles events on the head (watch, console, logs: a full
+    # runs disk was one) used to end the node's reader, and the node was then
+    # declared lost while it was fine.  Now: one error message, and the
+    # events keep coming.
+    events: list[dict] = []
+
+    def handler(s, e) -> None:
+        if e.get("ev") == "line" and "first" in e.get("t", ""):
+            raise OSError(28, "No space left on device")
+        events.append(e)
+
+    async def main() -> None:
+        pool = AgentPool(_local(), tag="t", on_event=handler)
+        await pool.open()
+        try:
+            s = pool.sessions[0]
+            code = "import time\nprint('first', flush=True)\ntime.sleep(0.5)\nprint('second', flush=True)\n"
+            await start(s, [sys.executable, "-c", code], tmp_path)
+            await until_exit(events, 10.0)
+            assert not s.closed
+        finally:
+            await pool.close()
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(main())
+    assert any(e.get("ev") == "line" and "second" in e.get("t", "") for e in events), events
+    assert any(e.get("ev") == "exit" for e in events)
+    failed = [r for r in caplog.records if "failed to handle an event" in r.getMessage()]
+    assert len(failed) == 1 and "No space left on device" in failed[0].getMessage()

@@ -71,6 +71,8 @@ class AgentSession:
     _readers: list[asyncio.Task] = field(default_factory=list)
     _hello: asyncio.Future | None = None
     _lost: asyncio.Future | None = None
+    #: An event handler (watch, console, logs) raised once already: said once.
+    _handler_failed: bool = False
 
     @property
     def name(self) -> str:
@@ -177,7 +179,17 @@ class AgentSession:
         if kind == "exit":
             self.exit_event = ev
         if self.on_event is not None:
-            self.on_event(self, ev)
+            try:
+                self.on_event(self, ev)
+            except Exception as e:  # noqa: BLE001 - a bug of ours must not look like a lost node
+                # An error here used to end this reader, and the node was then
+                # declared lost ("network partition") while it was fine.  Keep
+                # reading; say it once, with the traceback under --debug.
+                if not self._handler_failed:
+                    self._handler_failed = True
+                    log.error("%s: corral failed to handle an event (%s: %s); the run goes on, but its "
+                              "output or summary may be incomplete (please report this, with --debug)",
+                              self.name, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
 
     async def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
