@@ -296,3 +296,10 @@ def test_hang_in_mp_spawn_workers_names_the_worker(tmp_path: Path) -> None:
     assert any("all_reduce" in ln and ln.endswith("rank 0 worker 0") for ln in out["stacks"]), tree
     assert "rank 0 worker 1 elsewhere than the others" in res.stderr, res.stderr[-2000:]
     assert "rank 0, pid " in next(Path(out["run_dir"]).glob("stacks-*.txt")).read_text()
+
+
+def test_ranks_of_a_node_that_did_not_answer_are_named_as_such() -> None:
+    training = _dump(("/w/train.py", 50, "<module>"), ("/w/train.py", 12, "train_step"))
+    lines, _ = stack_report({0: training, 1: training}, world_size=5, unanswered={2: "node2", 3: "node2"})
+    assert "(no stack from ranks 2-3: its node node2 did not answer)" in lines
+    assert "(no stack from rank 4: not a Python rank, or exited)" in lines

@@ -70,16 +70,24 @@ def live_controls() -> dict[str, Path]:
     return found
 
 
-async def collect_stacks(pool: AgentPool, timeout: float = 3.0) -> dict[StackKey, str]:
+async def collect_stacks(pool: AgentPool, timeout: float = 3.0, *,
+                         unanswered: list[str] | None = None) -> dict[StackKey, str]:
     """faulthandler dumps of every rank on every node: {global rank: text},
-    and of the Python processes ranks started themselves: {(rank, pid): text}."""
+    and of the Python processes ranks started themselves: {(rank, pid): text}.
+    Hosts whose agent did not answer (lost, partitioned) are added to
+    ``unanswered``, so their ranks are not called "not a Python rank"."""
 
     async def one(s) -> dict[str, str]:
         try:
             # `timeout` here bounds the call; the node waits up to its own 3 s for the dumps.
             return await s.call("node.stacks", sig=STACK_SIGNAL, timeout=timeout + 10) or {}
         except Exception:  # noqa: BLE001 - a lost node simply has no stacks
+            if unanswered is not None:
+                unanswered.append(s.name)
             return {}
+
+    if unanswered is not None:
+        unanswered.extend(s.name for s in pool.sessions if s.closed)
 
     answers = await asyncio.gather(*(one(s) for s in pool.sessions if not s.closed))
     out: dict[StackKey, str] = {}

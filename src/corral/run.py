@@ -133,6 +133,11 @@ class _NullView:
 _ENV_KEYERROR = re.compile(r"KeyError: '([A-Za-z_][A-Za-z0-9_]*)'")
 
 
+def _ranks_of(plan: LaunchPlan, hosts: list[str]) -> dict[int, str]:
+    """rank -> host, for the ranks of ``hosts`` (nodes that did not answer)."""
+    return {r: n.host.name for n in plan.nodes if n.host.name in hosts for r in n.ranks}
+
+
 def _check_shown_ranks(shown: frozenset[int] | None, world_size: int) -> None:
     """--ranks naming a rank the run does not have would silently show nothing."""
     missing = sorted(r for r in (shown or ()) if r >= world_size)
@@ -256,10 +261,12 @@ class Runner:
             return {"error": f"unknown request {request!r}"}
         if self.attempt is None:
             return {"error": "the job has not started yet"}
-        dumps = await collect_stacks(self.attempt.pool)
+        silent: list[str] = []
+        dumps = await collect_stacks(self.attempt.pool, unanswered=silent)
         plan = self.attempt.plan
         return {"run_id": self.spec.run_id, "world_size": plan.world_size,
                 "master_addr": plan.master_addr, "master_port": plan.master_port,
+                "unanswered": {str(r): h for r, h in _ranks_of(plan, silent).items()},
                 "stacks": {stack_key_text(k): v for k, v in dumps.items()}}
 
     async def _quiet(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
@@ -268,8 +275,9 @@ class Runner:
         something (some ranks apart from the others, or waiting for a
         rendezvous that is not corral's); the job goes on."""
         assert self.logs is not None
-        dumps = await collect_stacks(pool)
-        lines, odd = stack_report(dumps, watch.plan.world_size)
+        silent: list[str] = []
+        dumps = await collect_stacks(pool, unanswered=silent)
+        lines, odd = stack_report(dumps, watch.plan.world_size, unanswered=_ranks_of(watch.plan, silent))
         note = (rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
                 or never_met_note(dumps, watch.plan.world_size))
         path = self.logs.dir / f"stacks-{time.strftime('%H%M%S')}.txt"
@@ -291,8 +299,9 @@ class Runner:
         """No rank made progress: show where every rank is, then fail the job."""
         assert self.logs is not None
         self.view.message(f"no rank wrote anything for {silent:.0f}s: collecting every rank's Python stack")
-        dumps = await collect_stacks(pool)
-        lines, odd = stack_report(dumps, watch.plan.world_size)
+        quiet_hosts: list[str] = []
+        dumps = await collect_stacks(pool, unanswered=quiet_hosts)
+        lines, odd = stack_report(dumps, watch.plan.world_size, unanswered=_ranks_of(watch.plan, quiet_hosts))
         note = (rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
                 or never_met_note(dumps, watch.plan.world_size))
         if note:

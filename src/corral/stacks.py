@@ -154,7 +154,8 @@ def fold_keys(keys: set[StackKey]) -> str:
     return ", ".join(parts)
 
 
-def render(root: Node, *, missing: set[int] = frozenset()) -> list[str]:  # type: ignore[assignment]
+def render(root: Node, *, missing: set[int] = frozenset(),  # type: ignore[assignment]
+           unanswered: dict[int, str] | None = None) -> list[str]:
     """Lines of the merged tree (rank sets right-aligned after each frame)."""
     rows: list[tuple[str, str]] = []
 
@@ -171,8 +172,15 @@ def render(root: Node, *, missing: set[int] = frozenset()) -> list[str]:  # type
     walk(root, "", True, 0)
     width = max((len(a) for a, _ in rows), default=0)
     lines = [f"{a.ljust(width)}   {b}" for a, b in rows]
-    if missing:
-        lines.append(f"(no stack from {fold_ranks(missing)}: not a Python rank, or exited)")
+    unanswered = {r: h for r, h in (unanswered or {}).items() if r in missing}
+    by_host: dict[str, set[int]] = {}
+    for rank, host in unanswered.items():
+        by_host.setdefault(host, set()).add(rank)
+    for host, ranks in sorted(by_host.items()):
+        lines.append(f"(no stack from {fold_ranks(ranks)}: its node {host} did not answer)")
+    rest = set(missing) - set(unanswered)
+    if rest:
+        lines.append(f"(no stack from {fold_ranks(rest)}: not a Python rank, or exited)")
     return lines
 
 
@@ -263,7 +271,8 @@ def _without_bootstrap(frames: list[Frame]) -> list[Frame]:
     return frames[start:]
 
 
-def stack_report(dumps: dict[StackKey, str], world_size: int) -> tuple[list[str], set[StackKey]]:
+def stack_report(dumps: dict[StackKey, str], world_size: int, *,
+                 unanswered: dict[int, str] | None = None) -> tuple[list[str], set[StackKey]]:
     """The merged tree of every rank's main thread, and the odd ones out.
 
     A rank waiting for the Python processes it started is replaced by them
@@ -280,7 +289,7 @@ def stack_report(dumps: dict[StackKey, str], world_size: int) -> tuple[list[str]
             stacks.update({k: _without_bootstrap(frames) for k, frames in procs.items()})
     missing = set(range(world_size)) - {key_rank(k) for k in stacks}
     root = merge(stacks)
-    return render(root, missing=missing), odd_ones_out(root)
+    return render(root, missing=missing, unanswered=unanswered), odd_ones_out(root)
 
 
 #: Frames of torch.distributed still connecting to its rendezvous store.

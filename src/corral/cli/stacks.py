@@ -40,7 +40,8 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"run_id": run_id, "stacks": answer.get("stacks", {})}, indent=2))
         return
-    lines, odd = stack_report(dumps, int(answer.get("world_size") or len(dumps)))
+    unanswered = {int(r): h for r, h in (answer.get("unanswered") or {}).items()}
+    lines, odd = stack_report(dumps, int(answer.get("world_size") or len(dumps)), unanswered=unanswered)
     con = ui.console()
     ranks = sum(1 for k in dumps if not isinstance(k, tuple))
     started = len(numbered(dumps)) - ranks  # not multiprocessing's own helpers
