@@ -275,9 +275,9 @@ class Runner:
         something (some ranks apart from the others, or waiting for a
         rendezvous that is not corral's); the job goes on."""
         assert self.logs is not None
-        silent: list[str] = []
-        dumps = await collect_stacks(pool, unanswered=silent)
-        lines, odd = stack_report(dumps, watch.plan.world_size, unanswered=_ranks_of(watch.plan, silent))
+        quiet_hosts: list[str] = []
+        dumps = await collect_stacks(pool, unanswered=quiet_hosts)
+        lines, odd = stack_report(dumps, watch.plan.world_size, unanswered=_ranks_of(watch.plan, quiet_hosts))
         note = (rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
                 or never_met_note(dumps, watch.plan.world_size))
         path = self.logs.dir / f"stacks-{time.strftime('%H%M%S')}.txt"
