@@ -518,3 +518,13 @@ def test_a_failing_event_handler_does_not_end_the_session(tmp_path, caplog) -> N
     assert any(e.get("ev") == "exit" for e in events)
     failed = [r for r in caplog.records if "failed to handle an event" in r.getMessage()]
     assert len(failed) == 1 and "No space left on device" in failed[0].getMessage()
+
+
+def test_a_temp_dir_python_fell_back_to_is_named() -> None:
+    from corral.agent.jobenv import tmp_fallback_note
+
+    note = tmp_fallback_note("/var/tmp", {}, {})
+    assert note and "/tmp is not usable on this node" in note and "/var/tmp" in note
+    assert tmp_fallback_note("/tmp", {}, {}) is None
+    assert tmp_fallback_note("/scratch/job1", {}, {"TMPDIR": "/scratch/job1"}) is None  # chosen, not a fallback
+    assert tmp_fallback_note("/scratch/x", {"TMPDIR": "/scratch/x"}, {}) is None

@@ -38,7 +38,7 @@ import threading
 import time
 
 try:  # on a node, modules are installed under their wire names
-    from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment
+    from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment, tmp_fallback_note
     from corral_agent_prescan import env_mismatch
     from corral_agent_prewarm import PREWARM_FIXED, PREWARM_SENSITIVE, prewarm_program
     from corral_agent_proctree import (
@@ -51,7 +51,7 @@ try:  # on a node, modules are installed under their wire names
     )
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
-    from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment
+    from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment, tmp_fallback_note
     from corral.agent.prescan import env_mismatch
     from corral.agent.prewarm import PREWARM_FIXED, PREWARM_SENSITIVE, prewarm_program
     from corral.agent.proctree import (
@@ -128,6 +128,8 @@ class Agent:
         self.prewarmed_argv: list = []
         #: Why the prewarmed launcher was not used for preloaded ranks (said once).
         self.fresh_note = None
+        #: Said once on the job's stderr: the temp dir Python fell back to.
+        self.tmp_note = None
         self.workdir_tmp = None
         self.tmp_root = None
         self.keep_tmp = False
@@ -217,6 +219,9 @@ class Agent:
         for pipe, stream in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
             relay = Relay(self.chan, pipe_rank, stream)
             self.pipe_relays.append(relay)
+            if stream == "err" and self.tmp_note:
+                relay.feed(("corral: %s\n" % self.tmp_note).encode())
+                self.tmp_note = None
             if stream == "err" and self.fresh_note:
                 relay.feed(("corral: starting ranks as fresh interpreters: %s\n" % self.fresh_note).encode())
                 self.fresh_note = None
@@ -389,6 +394,7 @@ class Agent:
             # The job's own TMPDIR (`--env TMPDIR=...`, the cluster file's
             # `env`) first: where its files are meant to go on this node.
             base = (spec.get("env") or {}).get("TMPDIR") or tempfile.gettempdir()
+            self.tmp_note = tmp_fallback_note(base, spec.get("env") or {}, os.environ)
             root = os.path.join(base, "corral-%d" % os.getuid())
             tmp = os.path.join(root, spec.get("tag", "run"))
             self.workdir_tmp = tmp
