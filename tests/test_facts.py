@@ -236,3 +236,40 @@ def test_tmp_fact_follows_the_tmpdir_the_cluster_file_gives(tmp_path) -> None:
     assert got["tmp_wanted"] == got["tmp_dir"] == str(tmp_path) and got["tmp_free_bytes"] > 0
     got = node_facts._tmp([], str(tmp_path / "missing"))
     assert got["tmp_wanted"] == str(tmp_path / "missing") and not got["tmp_dir"].startswith("/")
+
+
+def test_ssh_check_logs_in_a_few_at_a_time_in_the_given_order(tmp_path: Path, monkeypatch) -> None:
+    # The mesh check must not hand every sshd N-1 logins at once (MaxStartups
+    # drops them on >10 nodes).  A stand-in `ssh` on PATH records when each
+    # login starts and ends; the first login to "n3" is dropped as sshd does
+    # under MaxStartups, and is tried once more.
+    log = tmp_path / "log"
+    fake = tmp_path / "ssh"
+    fake.write_text(f"""#!{sys.executable}
+import os, sys, time
+host = sys.argv[-3]
+with open({str(log)!r}, "a") as f:
+    f.write(f"start {{host}} {{time.monotonic()}}\\n")
+time.sleep(0.3)
+dropped = host == "n3" and not os.path.exists({str(tmp_path / "dropped")!r})
+with open({str(log)!r}, "a") as f:
+    f.write(f"end {{host}} {{time.monotonic()}}\\n")
+if dropped:
+    open({str(tmp_path / "dropped")!r}, "w").close()
+    sys.stderr.write("kex_exchange_identification: Connection closed by remote host\\n")
+    sys.exit(255)
+print(sys.argv[-1])
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    targets = [{"name": f"n{i}"} for i in range(10)]
+    out = node_links.ssh_check(targets, connect_timeout=5)
+    assert [t["result"] for t in out] == ["ok"] * 10, out
+    events = [line.split() for line in log.read_text().splitlines()]
+    starts = [host for kind, host, _ in events if kind == "start"]
+    assert set(starts[:4]) == {"n0", "n1", "n2", "n3"} and starts.count("n3") == 2  # the first four first
+    running = peak = 0
+    for kind, _, _ in sorted(events, key=lambda e: float(e[2])):
+        running += 1 if kind == "start" else -1
+        peak = max(peak, running)
+    assert peak <= node_links.MESH_PARALLEL

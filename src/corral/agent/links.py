@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import shutil
 import socket
 import struct
@@ -180,15 +181,40 @@ def ssh_check(targets, connect_timeout=5) -> list:
         t["result"] = "ok" if ok else classify_ssh(stderr)
         t["detail"] = "" if ok else (stderr.splitlines()[-1] if stderr else "no output")
 
-    threads = [threading.Thread(target=one, args=(t,), daemon=True) for t in out]
+    # A few at a time, in the order given (the head starts each node's list
+    # at a different peer): every node logging in to every other at once
+    # would hand each sshd N-1 unauthenticated connections together, and
+    # sshd's default MaxStartups (10:30:100) drops some of them on more than
+    # ten nodes -- a false failure.  One retry for a login dropped that way.
+    todo = list(out)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                t = todo.pop(0)
+            one(t)
+            if t.get("result") == "closed":
+                time.sleep(0.5 + random.random())
+                one(t)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(MESH_PARALLEL, len(out)))]
     for th in threads:
         th.start()
+    rounds = (len(out) + MESH_PARALLEL - 1) // MESH_PARALLEL
+    deadline = time.monotonic() + rounds * (2 * int(connect_timeout) + 12) + 15
     for th in threads:
-        th.join(int(connect_timeout) + 15)
+        th.join(max(0.0, deadline - time.monotonic()))
     for t in out:
         t.setdefault("result", "timeout")
         t.setdefault("detail", "")
     return out
+
+
+#: ssh logins a node runs at once in the mesh check (see ssh_check).
+MESH_PARALLEL = 4
 
 
 def classify_ssh(stderr) -> str:

@@ -35,10 +35,10 @@ _SSH_HINTS = {
     "permission-denied": "the source node's key is not in the peer's authorized_keys: "
                          "`corral ssh setup` authorizes every node on every node",
     "refused": "no sshd on the peer's port (or a REJECT rule): check sshd and the port",
-    "closed": "the peer's sshd closed the connection before any login: too many logins arriving "
-              "at once (its MaxStartups, 10:30:100 by default, and this check logs in from every node "
-              "at once; raise it, e.g. `MaxStartups 200:30:400` in its sshd_config), or an AllowUsers/"
-              "DenyUsers or /etc/hosts.deny rule; its sshd log says which",
+    "closed": "the peer's sshd closed the connection before any login, twice: an AllowUsers/DenyUsers "
+              "or /etc/hosts.deny rule, or too many logins arriving at once from elsewhere too (its "
+              "MaxStartups, 10:30:100 by default; this check sends each sshd about four at a time); its "
+              "sshd log says which",
     "timeout": "ssh timed out: a firewall drops port 22 (or the cluster file's port) between them",
     "unresolved": "the source node cannot resolve the peer's name: add it to /etc/hosts there",
     "unreachable": "no route from the source node to the peer",
