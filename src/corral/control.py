@@ -12,13 +12,23 @@ import json
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from corral.agent.session import AgentPool
 from corral.errors import CorralError
-from corral.plan import STACK_SIGNAL
-from corral.stacks import StackKey, parse_key
+from corral.plan import STACK_SIGNAL, LaunchPlan
+from corral.stacks import (
+    StackKey,
+    dump_title,
+    never_met_note,
+    parse_key,
+    rendezvous_note,
+    stack_order,
+    stack_report,
+)
 
 #: sun_path is 108 bytes on Linux (104 on the BSDs), with the final NUL.
 _SUN_PATH_MAX = 100
@@ -94,6 +104,38 @@ async def collect_stacks(pool: AgentPool, timeout: float = 3.0, *,
     for answer in answers:
         out.update({parse_key(k): v for k, v in answer.items()})
     return out
+
+
+def ranks_of(plan: LaunchPlan, hosts: list[str]) -> dict[int, str]:
+    """rank -> host, for the ranks of ``hosts`` (nodes that did not answer)."""
+    return {r: n.host.name for n in plan.nodes if n.host.name in hosts for r in n.ranks}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StackSnapshot:
+    """Every rank's stack at one moment: the merged tree, the odd ranks out,
+    a note on the rendezvous when there is one, and the file it was saved to."""
+
+    dumps: dict[StackKey, str]
+    lines: list[str]
+    odd: set[StackKey]
+    note: str | None
+    path: Path
+
+
+async def stack_snapshot(pool: AgentPool, plan: LaunchPlan, run_dir: Path) -> StackSnapshot:
+    """Collect, merge and save (``run_dir/stacks-<time>.txt``: the tree, the
+    note, then every raw dump) every rank's stack: for a hang and for a
+    quiet stretch alike."""
+    unanswered: list[str] = []
+    dumps = await collect_stacks(pool, unanswered=unanswered)
+    lines, odd = stack_report(dumps, plan.world_size, unanswered=ranks_of(plan, unanswered))
+    note = (rendezvous_note(dumps, plan.master_addr, plan.master_port)
+            or never_met_note(dumps, plan.world_size))
+    path = run_dir / f"stacks-{time.strftime('%H%M%S')}.txt"
+    path.write_text("\n".join(lines + ([note] if note else [])) + "\n\n" + "\n".join(
+        f"===== {dump_title(k)} =====\n{t}" for k, t in sorted(dumps.items(), key=lambda kv: stack_order(kv[0]))))
+    return StackSnapshot(dumps=dumps, lines=lines, odd=odd, note=note, path=path)
 
 
 Handler = Callable[[str], Awaitable[dict]]

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from corral import ui
 from corral.agent.bundle import hook_source, preload_modules
 from corral.agent.session import AgentPool, AgentSession
-from corral.control import collect_stacks, control_path, serve
+from corral.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
 from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, CorralError, UsageError
 from corral.logs import RunLogs
 from corral.model import Cluster
@@ -44,15 +44,10 @@ from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan
 from corral.preflight import choose_master, local_disk_warning, preflight
 from corral.scriptcheck import self_launch_note
 from corral.stacks import (
-    dump_title,
     fold_keys,
     fold_ranks,
     key_rank,
-    never_met_note,
-    rendezvous_note,
     stack_key_text,
-    stack_order,
-    stack_report,
 )
 from corral.watch import Failure, JobWatch, Sink
 
@@ -131,11 +126,6 @@ class _NullView:
 
 
 _ENV_KEYERROR = re.compile(r"KeyError: '([A-Za-z_][A-Za-z0-9_]*)'")
-
-
-def _ranks_of(plan: LaunchPlan, hosts: list[str]) -> dict[int, str]:
-    """rank -> host, for the ranks of ``hosts`` (nodes that did not answer)."""
-    return {r: n.host.name for n in plan.nodes if n.host.name in hosts for r in n.ranks}
 
 
 def _check_shown_ranks(shown: frozenset[int] | None, world_size: int) -> None:
@@ -266,7 +256,7 @@ class Runner:
         plan = self.attempt.plan
         return {"run_id": self.spec.run_id, "world_size": plan.world_size,
                 "master_addr": plan.master_addr, "master_port": plan.master_port,
-                "unanswered": {str(r): h for r, h in _ranks_of(plan, silent).items()},
+                "unanswered": {str(r): h for r, h in ranks_of(plan, silent).items()},
                 "stacks": {stack_key_text(k): v for k, v in dumps.items()}}
 
     async def _quiet(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
@@ -275,52 +265,36 @@ class Runner:
         something (some ranks apart from the others, or waiting for a
         rendezvous that is not corral's); the job goes on."""
         assert self.logs is not None
-        quiet_hosts: list[str] = []
-        dumps = await collect_stacks(pool, unanswered=quiet_hosts)
-        lines, odd = stack_report(dumps, watch.plan.world_size, unanswered=_ranks_of(watch.plan, quiet_hosts))
-        note = (rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
-                or never_met_note(dumps, watch.plan.world_size))
-        path = self.logs.dir / f"stacks-{time.strftime('%H%M%S')}.txt"
-        path.write_text("\n".join(lines) + "\n\n" + "\n".join(
-            f"===== {dump_title(k)} =====\n{t}" for k, t in sorted(dumps.items(), key=lambda kv: stack_order(kv[0]))))
+        snap = await stack_snapshot(pool, watch.plan, self.logs.dir)
         minutes = f"{silent / 60:.0f} min" if silent >= 60 else f"{silent:.0f}s"
         self.view.message(f"no rank has written anything for {minutes}; the job goes on (--hang-timeout N "
                           f"stops a job silent for N seconds; `corral stacks` shows where the ranks are now; "
-                          f"stacks: {path})")
-        if odd or note:
-            for line in lines:
+                          f"stacks: {snap.path})")
+        if snap.odd or snap.note:
+            for line in snap.lines:
                 self.view.message("  " + line)
-        if odd:
-            self.view.message(f"{fold_keys(odd)} elsewhere than the others")
-        if note:
-            self.view.message(note)
+        if snap.odd:
+            self.view.message(f"{fold_keys(snap.odd)} elsewhere than the others")
+        if snap.note:
+            self.view.message(snap.note)
 
     async def _hang(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
         """No rank made progress: show where every rank is, then fail the job."""
         assert self.logs is not None
         self.view.message(f"no rank wrote anything for {silent:.0f}s: collecting every rank's Python stack")
-        quiet_hosts: list[str] = []
-        dumps = await collect_stacks(pool, unanswered=quiet_hosts)
-        lines, odd = stack_report(dumps, watch.plan.world_size, unanswered=_ranks_of(watch.plan, quiet_hosts))
-        note = (rendezvous_note(dumps, watch.plan.master_addr, watch.plan.master_port)
-                or never_met_note(dumps, watch.plan.world_size))
-        if note:
-            lines.append(note)
-        path = self.logs.dir / f"stacks-{time.strftime('%H%M%S')}.txt"
-        path.write_text("\n".join(lines) + "\n\n" + "\n".join(
-            f"===== {dump_title(k)} =====\n{t}" for k, t in sorted(dumps.items(), key=lambda kv: stack_order(kv[0]))))
+        snap = await stack_snapshot(pool, watch.plan, self.logs.dir)
+        lines = snap.lines + ([snap.note] if snap.note else [])
         for line in lines:
             self.view.message(line)
         self.hang_stacks = tuple(lines)
-        where = ""
-        if odd:
-            rank = min(key_rank(k) for k in odd)
+        if snap.odd:
+            rank = min(key_rank(k) for k in snap.odd)
             node = watch.plan.node_of_rank(rank)
-            where = f"; {fold_keys(odd)} elsewhere than the others"
             watch.hang(node.host.name if node else watch.plan.nodes[0].host.name, rank,
-                       f"no progress for {silent:.0f}s{where} (stacks: {path})")
+                       f"no progress for {silent:.0f}s; {fold_keys(snap.odd)} elsewhere than the others "
+                       f"(stacks: {snap.path})")
         else:
-            watch.hang(watch.plan.nodes[0].host.name, None, f"no progress for {silent:.0f}s (stacks: {path})")
+            watch.hang(watch.plan.nodes[0].host.name, None, f"no progress for {silent:.0f}s (stacks: {snap.path})")
 
     async def _run(self) -> RunResult:
         attempts = 0
