@@ -376,7 +376,7 @@ def test_a_failed_job_whose_temp_dir_filled_up_says_so(tmp_path, monkeypatch) ->
             sent.append(ev)
 
     agent = node.Agent(Chan(), reader=None)
-    agent.workdir_tmp = str(tmp_path / "corral-0" / "r-1")
+    agent.job_dir.path = str(tmp_path / "corral-0" / "r-1")
     (tmp_path / "corral-0" / "r-1").mkdir(parents=True)
 
     class Full:
@@ -521,7 +521,7 @@ def test_a_failing_event_handler_does_not_end_the_session(tmp_path, caplog) -> N
 
 
 def test_a_temp_dir_python_fell_back_to_is_named() -> None:
-    from corral.agent.jobenv import tmp_fallback_note
+    from corral.agent.jobdir import tmp_fallback_note
 
     note = tmp_fallback_note("/var/tmp", {}, {})
     assert note and "/tmp is not usable on this node" in note and "/var/tmp" in note

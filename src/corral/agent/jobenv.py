@@ -97,17 +97,3 @@ def job_environment(inherited: dict, job: dict) -> dict:
     env = {k: v for k, v in inherited.items() if k not in FOREIGN_RANK_VARS}
     env.update(job)
     return env
-
-
-def tmp_fallback_note(base: str, job_env: dict, environ) -> str | None:
-    """Python's ``tempfile`` silently moves on from an unusable /tmp (full,
-    read-only) to /var/tmp, /usr/tmp, then the current directory (a home on
-    NFS, perhaps).  Without any TMPDIR/TEMP/TMP set, a temp dir other than
-    /tmp means that happened: the job's files and its ranks' temporary files
-    are elsewhere than expected, so the node says so once."""
-    if any(job_env.get(k) or environ.get(k) for k in ("TMPDIR", "TEMP", "TMP")):
-        return None
-    if os.path.realpath(base) == os.path.realpath("/tmp"):
-        return None
-    return ("/tmp is not usable on this node (full or read-only?): Python fell back to %s for the job's "
-            "temporary files; free /tmp, or set TMPDIR for this host with `env` in the cluster file" % base)

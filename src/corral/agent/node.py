@@ -28,17 +28,15 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 try:  # on a node, modules are installed under their wire names
-    from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment, tmp_fallback_note
+    from corral_agent_jobdir import JobDir
+    from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment
     from corral_agent_prescan import env_mismatch
     from corral_agent_prewarm import PREWARM_FIXED, PREWARM_SENSITIVE, prewarm_program
     from corral_agent_proctree import (
@@ -51,7 +49,8 @@ try:  # on a node, modules are installed under their wire names
     )
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
-    from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment, tmp_fallback_note
+    from corral.agent.jobdir import JobDir
+    from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment
     from corral.agent.prescan import env_mismatch
     from corral.agent.prewarm import PREWARM_FIXED, PREWARM_SENSITIVE, prewarm_program
     from corral.agent.proctree import (
@@ -87,8 +86,6 @@ _AGENT_PID = os.getpid()
 #: How often the agent says it is alive, and how long it tolerates a silent head.
 HEARTBEAT_S = 1.0
 DEFAULT_HEAD_TIMEOUT_S = 10.0
-#: A failed job whose temporary directory has less free space than this filled it.
-TMP_FULL_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------
@@ -128,11 +125,7 @@ class Agent:
         self.prewarmed_argv: list = []
         #: Why the prewarmed launcher was not used for preloaded ranks (said once).
         self.fresh_note = None
-        #: Said once on the job's stderr: the temp dir Python fell back to.
-        self.tmp_note = None
-        self.workdir_tmp = None
-        self.tmp_root = None
-        self.keep_tmp = False
+        self.job_dir = JobDir()
         self.stopping = False
         self.done = threading.Event()
 
@@ -176,9 +169,8 @@ class Agent:
             return
         spec = msg["spec"]
         self.stopping = False
-        self.keep_tmp = bool(spec.get("keep_tmp"))
         try:
-            tmp = self.make_tmp(spec)
+            tmp = self.job_dir.make(spec)
             log_dir = os.path.join(tmp, "logs")
             hook_dir = os.path.join(tmp, "hook")
             with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as f:
@@ -186,8 +178,8 @@ class Agent:
         except OSError as e:
             self.chan.send(ev="fatal", t="cannot create %s: %s (the job's files go to its $TMPDIR, else "
                                          "/tmp: free space there, or set TMPDIR for this host with `env` "
-                                         "in the cluster file)" % (self.workdir_tmp, e))
-            self.cleanup_tmp()
+                                         "in the cluster file)" % (self.job_dir.path, e))
+            self.job_dir.remove()
             return
         env = job_environment(dict(os.environ), spec.get("env", {}))
         old_pp = env.get("PYTHONPATH")
@@ -212,16 +204,16 @@ class Agent:
             except (OSError, subprocess.SubprocessError) as e:
                 self.chan.send(ev="exit", code=127, sig=None,
                                error="cannot start %s: %s%s" % (spec["argv"][0], e, limit_note(e)))
-                self.cleanup_tmp()
+                self.job_dir.remove()
                 return
         pipe_rank = spec.get("pipe_rank")
         self.pipe_relays = []
         for pipe, stream in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
             relay = Relay(self.chan, pipe_rank, stream)
             self.pipe_relays.append(relay)
-            if stream == "err" and self.tmp_note:
-                relay.feed(("corral: %s\n" % self.tmp_note).encode())
-                self.tmp_note = None
+            if stream == "err" and self.job_dir.note:
+                relay.feed(("corral: %s\n" % self.job_dir.note).encode())
+                self.job_dir.note = None
             if stream == "err" and self.fresh_note:
                 relay.feed(("corral: starting ranks as fresh interpreters: %s\n" % self.fresh_note).encode())
                 self.fresh_note = None
@@ -357,81 +349,14 @@ class Agent:
             self.say_if_tmp_full()
         self.chan.send(ev="exit", code=rc if rc >= 0 else None, sig=-rc if rc < 0 else None)
         self.proc = None
-        self.cleanup_tmp()
+        self.job_dir.remove()
 
     def say_if_tmp_full(self) -> None:
-        """A failed job whose directory's file system is full: its ranks died
-        writing their output there, their last words (the traceback) unwritten.
-        Say so among the launcher's lines, with errno 28's words (which the
-        diagnosis knows)."""
-        if not self.workdir_tmp:
-            return
-        try:
-            st = os.statvfs(self.workdir_tmp)
-        except OSError:
-            return
-        free = st.f_bavail * st.f_frsize
-        if free >= TMP_FULL_BYTES:
-            return
-        self.chan.send(ev="line", r=None, s="err", t=(
-            "corral: %s: [Errno 28] No space left on device (%d bytes free on %s): the ranks' output "
-            "goes there, so their last lines (a traceback) may be missing; free space there, or set "
-            "TMPDIR for this host (`env` in the cluster file)"
-            % (os.path.dirname(self.workdir_tmp), free, socket.gethostname())))
-
-    def make_tmp(self, spec: dict) -> str:
-        """The job's own temporary directory, ``$TMPDIR/corral-<uid>/<run-id>-<attempt>``.
-
-        Everything the job leaves on the node goes there (rank files, the
-        rank hook, torchrun's log directory) and it is removed when the job
-        ends.  ``corral-<uid>`` is removed too when the last job in it ends and
-        nothing else is in it (another job's directory, the head's control
-        sockets on the head's own machine).
-        """
-        self.tmp_root = None
-        tmp = spec.get("tmp_dir")
-        if not tmp:
-            # The job's own TMPDIR (`--env TMPDIR=...`, the cluster file's
-            # `env`) first: where its files are meant to go on this node.
-            base = (spec.get("env") or {}).get("TMPDIR") or tempfile.gettempdir()
-            self.tmp_note = tmp_fallback_note(base, spec.get("env") or {}, os.environ)
-            root = os.path.join(base, "corral-%d" % os.getuid())
-            tmp = os.path.join(root, spec.get("tag", "run"))
-            self.workdir_tmp = tmp
-            self.tmp_root = root
-            for _ in range(3):  # another job may remove an empty root between our mkdirs
-                try:
-                    os.mkdir(root, 0o700)
-                except FileExistsError:
-                    pass
-                try:
-                    os.mkdir(tmp, 0o700)
-                    break
-                except FileExistsError:
-                    break  # this job's own (same run id and attempt)
-                except FileNotFoundError:
-                    continue
-            else:
-                os.mkdir(tmp, 0o700)  # raises with the reason
-        else:
-            self.workdir_tmp = tmp
-            os.makedirs(tmp, mode=0o700, exist_ok=True)
-        os.makedirs(os.path.join(tmp, "logs"), mode=0o700, exist_ok=True)
-        os.makedirs(os.path.join(tmp, "hook"), mode=0o700, exist_ok=True)
-        return tmp
-
-    def cleanup_tmp(self) -> None:
-        if self.workdir_tmp and not self.keep_tmp:
-            shutil.rmtree(self.workdir_tmp, ignore_errors=True)
-            if self.tmp_root:
-                try:
-                    # only when empty: never another job's files.  Whichever job
-                    # ends last removes it, not only the one that made it.
-                    os.rmdir(self.tmp_root)
-                except OSError:
-                    pass
-        self.workdir_tmp = None
-        self.tmp_root = None
+        """A failed job whose directory's file system is full: say so among
+        the launcher's lines (see ``JobDir.full_line``)."""
+        line = self.job_dir.full_line()
+        if line:
+            self.chan.send(ev="line", r=None, s="err", t=line)
 
     def shutdown(self) -> None:
         """Stop everything this agent started; signals no longer interrupt it."""
@@ -448,7 +373,7 @@ class Agent:
         else:
             kill_tree(2.0, set())
         reap_orphans(set())
-        self.cleanup_tmp()
+        self.job_dir.remove()
         self.done.set()
 
     def serve(self) -> int:
