@@ -46,15 +46,13 @@ def _corral_rank():
     return None
 
 
-def _corral_worker(log_dir, rank):
-    """Let ``corral stacks`` see a Python process started by a rank.
+def _corral_dumps(base):
+    """Where this process is, when it crashes and on request; whether the
+    request can be answered.
 
-    When a rank only waits for the processes it started (``mp.spawn`` as in
-    detectron2's ``launch``), those processes are where the training is.  The
-    dump goes to ``rank<N>.w<pid>.stacks``; ``rank<N>.w<pid>.pid`` holds the
-    pid and the parent's, so the agent signals only a rank's own children.
-    The pid file is written after the handler is registered: a signal that
-    finds the file always finds the handler (its default action kills)."""
+    faulthandler prints a native crash (SIGSEGV, SIGBUS, SIGFPE, SIGABRT...),
+    which leaves no Python traceback, into the log; a stack dump of every
+    thread goes to ``<base>.stacks`` on ``CORRAL_STACK_SIGNAL``."""
     import faulthandler
 
     try:
@@ -64,13 +62,22 @@ def _corral_worker(log_dir, rank):
         pass
     sig = os.environ.get("CORRAL_STACK_SIGNAL", "")
     if not sig.isdigit():
-        return
-    base = os.path.join(log_dir, "rank%d.w%d" % (rank, os.getpid()))
-    stacks = open(base + ".stacks", "a")
-    faulthandler.register(int(sig), file=stacks, all_threads=True, chain=False)
+        return False
+    try:
+        stacks = open(base + ".stacks", "a")
+        faulthandler.register(int(sig), file=stacks, all_threads=True, chain=False)
+    except Exception:
+        return False
+    return True
+
+
+def _corral_pidfile(base, text):
+    """``<base>.pid``, whole or not at all.  Written after ``_corral_dumps``:
+    the agent signals the pid it finds there, so the handler is in place
+    first (the signal's default action kills)."""
     tmp = base + ".pid.tmp"
     with open(tmp, "w") as f:
-        f.write("%d %d" % (os.getpid(), os.getppid()))
+        f.write(text)
     os.replace(tmp, base + ".pid")
 
 
@@ -84,8 +91,12 @@ def _corral_install():
     if os.environ.get("CORRAL_CAPTURED") == str(rank):
         # A new interpreter started under this rank (an mp.spawn worker, a
         # `subprocess.run([sys.executable, ...])`): its fds already point at
-        # the rank's files; it only needs to be able to say where it is.
-        _corral_worker(log_dir, rank)
+        # the rank's files; it only needs to be able to say where it is, in
+        # rank<N>.w<pid>.stacks.  Its pid file holds its parent's pid too, so
+        # the agent signals only a rank's own children.
+        worker = os.path.join(log_dir, "rank%d.w%d" % (rank, os.getpid()))
+        if _corral_dumps(worker):
+            _corral_pidfile(worker, "%d %d" % (os.getpid(), os.getppid()))
         return
     os.environ["CORRAL_CAPTURED"] = str(rank)
     base = os.path.join(log_dir, "rank%d" % rank)
@@ -124,28 +135,8 @@ def _corral_install():
 
     sys.excepthook = record_exception
 
-    import faulthandler
-
-    try:
-        # A crash in native code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT...) leaves no
-        # Python traceback: have the rank's log say where in the program it was.
-        if not faulthandler.is_enabled():
-            faulthandler.enable(all_threads=False)
-    except Exception:
-        pass
-
-    sig = os.environ.get("CORRAL_STACK_SIGNAL", "")
-    if sig.isdigit():
-        try:
-            stacks = open(base + ".stacks", "a")
-            faulthandler.register(int(sig), file=stacks, all_threads=True, chain=False)
-        except Exception:
-            pass
-    # Last: the agent signals the pid it finds here, so the handler is there first.
-    tmp = base + ".pid.tmp"
-    with open(tmp, "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(tmp, base + ".pid")
+    _corral_dumps(base)
+    _corral_pidfile(base, str(os.getpid()))
 
 
 def _corral_chain():
