@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from corral.agent.links import MESH_PARALLEL
 from corral.agent.session import AgentPool, AgentSession
 from corral.bench import measure_links
 from corral.checks import (
@@ -325,7 +326,7 @@ async def _ssh(live: list[AgentSession], cluster: Cluster) -> list[SshProbe]:
     targets = [{"name": h.name, "port": h.port, "user": h.user} for h in hosts]
     # Each node starts at itself and goes round: at any moment a node's sshd
     # sees about as many logins as one node makes at once (links.ssh_check).
-    rounds = (len(targets) + 3) // 4
+    rounds = (len(targets) + MESH_PARALLEL - 1) // MESH_PARALLEL
     results = await asyncio.gather(*(s.call("links.ssh_check", targets=targets[i:] + targets[:i], connect_timeout=5,
                                             timeout=60 + rounds * 22)
                                      for i, s in enumerate(live)))

@@ -146,6 +146,10 @@ def _connect_one(address, port, timeout) -> str:
 # SSH mesh
 
 
+#: ssh logins a node runs at once in the mesh check (see ssh_check).
+MESH_PARALLEL = 4
+
+
 def ssh_check(targets, connect_timeout=5) -> list:
     """``ssh -o BatchMode=yes <peer> true`` to every target, in parallel.
 
@@ -212,9 +216,6 @@ def ssh_check(targets, connect_timeout=5) -> list:
         t.setdefault("detail", "")
     return out
 
-
-#: ssh logins a node runs at once in the mesh check (see ssh_check).
-MESH_PARALLEL = 4
 
 
 def classify_ssh(stderr) -> str:
