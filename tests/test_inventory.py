@@ -357,11 +357,36 @@ def test_count_gpus_reads_nvidia_smi(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # conftest hides GPUs from tests not marked gpu
     assert count_gpus() == 2
     assert local_cluster().hosts[0].slots == 2
     assert "2 GPU process(es)" in local_cluster().source
     fake.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
     assert count_gpus() is None
+
+
+@pytest.mark.parametrize(("visible", "gpus"), [
+    ("1", 1), ("0,3", 2), ("3,2,1,0", 4), ("0,2,-1,1", 2), ("", None), ("-1", None),
+    ("GPU-aaaa,GPU-bbbb", 2), ("7", None), ("0,7,1", 1), ("nvidia0", None),
+])
+def test_local_gpus_follow_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                visible: str, gpus: int | None) -> None:
+    # `CUDA_VISIBLE_DEVICES=0,1 corral run` on a 4-GPU machine is 2 processes, as
+    # `torchrun --nproc-per-node gpu` would start (it used to start 4: ranks 2-3
+    # then failed with "invalid device ordinal").  CUDA stops at the first entry
+    # that names no device.
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i})'\n" for i in range(4)))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert count_gpus() == gpus
+    cluster = local_cluster()
+    assert cluster.hosts[0].slots == (gpus or 2)
+    assert f"CUDA_VISIBLE_DEVICES={visible!r}" in cluster.source
+    assert ("no GPU visible" in cluster.source) == (gpus is None)
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))  # no nvidia-smi: nothing to hide
+    assert "2 CPU processes, no GPU found)" in local_cluster().source
 
 
 # ---------------------------------------------------------------- precedence

@@ -691,3 +691,27 @@ def test_a_run_id_whose_directory_exists_is_an_error_that_starts_nothing(tmp_pat
     assert "already exists: another corral run has the same id" in e.value.message
     assert e.value.exit_code == 3 and not marker.exists()
     assert list((tmp_path / "runs" / spec.run_id).iterdir()) == []
+
+
+def test_processes_per_node_follow_the_jobs_cuda_visible_devices(tmp_path: Path) -> None:
+    # A host without `slots` gets one process per GPU its ranks will see: a
+    # cluster file's CUDA_VISIBLE_DEVICES for that host (or --env) cuts the
+    # node's nvidia-smi list, as it does for the job (it used to start one per
+    # listed GPU: 4 here, and ranks 1-3 failed with "invalid device ordinal").
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write(bin_dir / "nvidia-smi", "#!/bin/sh\n" + "".join(
+        f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(4)))
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    write(tmp_path / "who.py", "import os\nprint('seen', os.environ['LOCAL_WORLD_SIZE'], "
+                               "repr(os.environ.get('CUDA_VISIBLE_DEVICES')))\n")
+    write(tmp_path / "corral.toml", f'[[hosts]]\nname = "localhost"\npython = "{sys.executable}"\n'
+                                    'env = { CUDA_VISIBLE_DEVICES = "2" }\n')
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # this machine's own: all four
+    res = corral(["run", "--fresh-ranks", "who.py"], tmp_path, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.findall(r"seen \d+ .*", res.stdout) == ["seen 1 '2'"]
+    res = corral(["run", "--fresh-ranks", "--env", "CUDA_VISIBLE_DEVICES=0,1", "who.py"], tmp_path, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.findall(r"seen \d+ .*", res.stdout) == ["seen 2 '0,1'"] * 2

@@ -82,6 +82,9 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
         }
         if spec.launcher == "accelerate":
             args["accelerate"] = True  # the node's default config may pick FSDP/DeepSpeed
+        visible = {**cluster.env_for(s.host), **spec.env}.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:  # one process per GPU its ranks will see, not per GPU there
+            args["cuda_visible_devices"] = visible
         if compare:
             args["compare"] = compare
         return args

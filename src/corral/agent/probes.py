@@ -52,8 +52,10 @@ def routable_addresses() -> list:
     return [i for i in interfaces() if not i["name"].startswith(_NOT_BETWEEN_NODES)]
 
 
-def gpu_count():
-    """Number of GPUs nvidia-smi lists, or None when there is no nvidia-smi."""
+def gpu_count(visible=None):
+    """GPUs a job here sees: nvidia-smi's list cut by CUDA_VISIBLE_DEVICES (the
+    job's own ``visible`` when it sets one, else this process's); None when
+    there is no nvidia-smi."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -64,10 +66,29 @@ def gpu_count():
     if res.returncode != 0:
         return None
     n = sum(1 for line in res.stdout.splitlines() if line.startswith("GPU "))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        n = min(n, len([v for v in visible.split(",") if v.strip()]))
-    return n
+    return visible_count(n, os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible)
+
+
+def visible_count(listed, visible):
+    """GPUs a CUDA program sees when nvidia-smi lists ``listed`` and
+    CUDA_VISIBLE_DEVICES is ``visible`` (None: unset).
+
+    CUDA reads the list in order and stops at the first entry that names no
+    device (``-1``, an index past the last GPU, a typo): ``0,2,-1,1`` is two
+    GPUs, ``""`` and ``-1`` none.  Entries are indices or ``GPU-``/``MIG-`` UUIDs.
+    """
+    if visible is None:
+        return listed
+    n = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if entry.isdigit():
+            if int(entry) >= listed:
+                break
+        elif not entry.startswith(("GPU-", "MIG-")):
+            break
+        n += 1
+    return min(n, listed)
 
 
 def free_port() -> int:
@@ -164,17 +185,19 @@ def dir_identity(path):
 
 
 def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(), compare=None,
-              accelerate=False) -> dict:
+              accelerate=False, cuda_visible_devices=None) -> dict:
     """Everything the head needs to plan a launch, in one round trip.
 
     ``compare`` is ``{path: [size, sha256]}`` of the head's copies of files in
-    ``paths``; the ones whose copy here differs are listed in ``differs``."""
+    ``paths``; the ones whose copy here differs are listed in ``differs``.
+    ``cuda_visible_devices`` is the job's own, when it sets one (cluster file,
+    --env): the GPUs counted are the ones its ranks will see."""
     result = {
         "hostname": socket.gethostname(),
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "addresses": routable_addresses(),
-        "gpus": gpu_count(),
+        "gpus": gpu_count(cuda_visible_devices),
         "cpus": os.cpu_count(),
         "workdir": None,
         "missing": [],

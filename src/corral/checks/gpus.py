@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from corral.agent.probes import visible_count
 from corral.checks.base import (
     ERROR,
     OK,
@@ -25,14 +26,7 @@ from corral.hostrange import HostSet
 
 def visible_gpus(facts: Mapping[str, Any]) -> int:
     """GPUs a job on this node may use: nvidia-smi's list, cut by CUDA_VISIBLE_DEVICES."""
-    gpus = facts.get("gpus") or []
-    visible = facts.get("cuda_visible_devices")
-    if visible is None:
-        return len(gpus)
-    wanted = [v.strip() for v in visible.split(",") if v.strip()]
-    if wanted and wanted[0].startswith("-"):  # "-1" hides every GPU
-        return 0
-    return min(len(gpus), len(wanted))
+    return visible_count(len(facts.get("gpus") or []), facts.get("cuda_visible_devices"))
 
 
 def _models(facts: Mapping[str, Any]) -> str:
