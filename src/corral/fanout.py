@@ -166,8 +166,8 @@ def run_everywhere(
     """``command`` (a shell command line) on every host; results in host order.
 
     At most ``fanout`` hosts run at once.  ``on_line(host, stream, line)`` sees
-    every complete line as it arrives.  SIGINT, SIGTERM or SIGHUP (when called
-    from the main thread) close every channel, wait for the nodes to stop the
+    every complete line as it arrives.  SIGINT, SIGTERM, SIGHUP or SIGQUIT (when
+    called from the main thread) close every channel, wait for the nodes to stop the
     command (ssh is killed after ``CLOSE_GRACE_S``), then raise
     KeyboardInterrupt: nothing is left running on any node.
     """
@@ -288,11 +288,14 @@ def _read(sel: selectors.BaseSelector, key: selectors.SelectorKey,
 
 @contextmanager
 def _signals_to_pipe() -> Iterator[int | None]:
-    """While inside, SIGINT/SIGTERM/SIGHUP wake the loop (through a pipe) instead
-    of raising wherever the head happens to be (half-way through starting a
-    process).  SIGINT is taken over even when inherited ignored (a job started
-    in the background of a script), as SIGTERM from a scheduler is: both must
-    tear the command down on the nodes.  Yields None off the main thread."""
+    """While inside, SIGINT/SIGTERM/SIGHUP/SIGQUIT wake the loop (through a pipe)
+    instead of raising wherever the head happens to be (half-way through
+    starting a process).  SIGINT and SIGQUIT are taken over even when
+    inherited ignored (a job started in the background of a script), as
+    SIGTERM from a scheduler is: each must tear the command down on the
+    nodes.  A handled signal is reset to its default in the processes started
+    meanwhile, so a command on this machine starts with SIGINT and SIGQUIT not
+    ignored, as sshd starts it on a node.  Yields None off the main thread."""
     try:
         r, w = os.pipe()
     except OSError:
@@ -309,7 +312,7 @@ def _signals_to_pipe() -> Iterator[int | None]:
         yield None
         return
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             saved[sig] = signal.signal(sig, _ignore)
         yield r
     finally:
