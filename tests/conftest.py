@@ -3,7 +3,9 @@
 The autouse fixture keeps tests away from the developer's own setup: HOME is
 a fresh temporary directory and launcher variables (MASTER_*, NCCL_*, PET_*,
 torchrun's and Slurm's) are stripped, so a test never inherits a rendezvous
-address or an NCCL setting from the shell it was started in.
+address or an NCCL setting from the shell it was started in.  Tests not
+marked ``gpu`` see no GPU (``CUDA_VISIBLE_DEVICES=""``): they test the CPU
+paths the same way on a GPU machine as in CI.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ _STRIP_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RA
 
 
 @pytest.fixture(autouse=True)
-def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
+                 request: pytest.FixtureRequest):
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
@@ -48,6 +51,11 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     for key in list(os.environ):
         if key.startswith(_STRIP_PREFIXES) or key in _STRIP_NAMES:
             monkeypatch.delenv(key, raising=False)
+    if request.node.get_closest_marker("gpu") is None:
+        # Tests not marked `gpu` test the CPU paths (gloo, 2 processes), on a
+        # GPU machine too: a 1-GPU machine would otherwise run their 2 ranks
+        # with NCCL on cuda:0 and cuda:1.
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     yield home
 
 

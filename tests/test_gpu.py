@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -17,9 +18,10 @@ def test_train_ddp_with_nccl_on_every_gpu(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "corral", "run", "--json", str(REPO / "examples/train_ddp.py"),
                           "--epochs", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    first, last = map(float, re.search(r"first loss ([\d.]+) \| final loss ([\d.]+)", res.stdout).groups())
-    assert last < first
+    assert json.loads(res.stdout)["status"] == "succeeded"
     log = next((tmp_path / "runs").glob("*/*/rank0.log")).read_text()
+    first, last = map(float, re.search(r"first loss ([\d.]+) \| final loss ([\d.]+)", log).groups())
+    assert last < first
     assert "nccl" in log.lower()  # the script reports its backend
 
 
