@@ -265,6 +265,19 @@ def test_ddp_warnings_of_healthy_runs_are_not_failures():
     ) == []
 
 
+def test_nccl_connect_retries_count_only_when_nccl_gives_up():
+    # NCCL 2.24+ logs every connect retry at INFO; only the last, "(34/34)", is a failure
+    lines = fixture("nccl-connect-refused.7.log").splitlines()
+    assert "nccl-connect-refused" not in [d.rule_id for d in diagnose_text("\n".join(lines[:-1]))]
+    assert diagnose_text("\n".join(lines))[0].rule_id == "nccl-connect-refused"
+
+
+def test_cuda_operation_not_supported_in_nccl_setup_points_at_the_driver():
+    top = diagnose_path(FIXTURES / "nccl-unhandled-cuda-error.3.log")[0]
+    assert top.rule_id == "nccl-unhandled-cuda-error"
+    assert any("'operation not supported'" in step and "driver" in step for step in top.fix)
+
+
 def test_docs_list_every_rule():
     text = DOCS.read_text(encoding="utf-8")
     missing = [r.id for r in RULES if f"`{r.id}`" not in text]

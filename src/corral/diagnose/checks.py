@@ -76,6 +76,13 @@ def _int_compare(op: Callable[[int, int], bool]) -> Callable[[re.Match[str]], bo
     return test
 
 
+def _last_attempt(m: re.Match[str]) -> bool:
+    try:
+        return int(m.group("attempt")) >= int(m.group("attempts")) > 0
+    except (TypeError, ValueError):
+        return False
+
+
 CHECKS: dict[str, Check] = {
     c.name: c
     for c in (
@@ -84,5 +91,7 @@ CHECKS: dict[str, Check] = {
               _int_compare(lambda joined, expected: joined < expected)),
         Check("joined_above_expected", frozenset({"joined", "expected"}),
               _int_compare(lambda joined, expected: joined > expected)),
+        # "retrying (34/34)": the last of a bounded series of retries, after which it gives up
+        Check("last_attempt", frozenset({"attempt", "attempts"}), _last_attempt),
     )
 }
