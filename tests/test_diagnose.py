@@ -278,6 +278,28 @@ def test_cuda_operation_not_supported_in_nccl_setup_points_at_the_driver():
     assert any("'operation not supported'" in step and "driver" in step for step in top.fix)
 
 
+@pytest.mark.parametrize(
+    ("text", "rule_id"),
+    [
+        # the eighth held-out round's classes, in the other wordings they come in (real lines)
+        ("[2021-04-18 06:54:54,934 C 756 756] service_based_gcs_client.cc:229: Couldn't reconnect to GCS server. "
+         "The last attempted GCS server address was 10.42.0.44:43507", "ray-gcs-unreachable"),
+        ("Exiting because this node manager has mistakenly been marked as dead by the GCS", "ray-node-dead"),
+        ("[rank2]: OSError: [Errno 39] Directory not empty: '/root/results/tmp-checkpoint-s0yubqtr' -> "
+         "'/root/results/checkpoint-50'", "shared-fs-write-race"),
+        ("FileExistsError: [Errno 17] File exists: '/path/to/run_dir/log/validation'", "shared-fs-write-race"),
+    ],
+)
+def test_round_eight_classes_read_their_other_wordings(text, rule_id):
+    assert diagnose_text(text)[0].rule_id == rule_id
+
+
+def test_empty_ray_head_address_is_named():
+    top = diagnose_path(FIXTURES / "ray-gcs-unreachable.log")[0]
+    assert top.rule_id == "ray-gcs-unreachable"
+    assert "no host part (':6379')" in top.fix[0]
+
+
 def test_docs_list_every_rule():
     text = DOCS.read_text(encoding="utf-8")
     missing = [r.id for r in RULES if f"`{r.id}`" not in text]
