@@ -278,6 +278,15 @@ def test_cuda_operation_not_supported_in_nccl_setup_points_at_the_driver():
     assert any("'operation not supported'" in step and "driver" in step for step in top.fix)
 
 
+def test_srun_giving_up_after_step_retries_is_the_blocked_step_not_a_rejection():
+    gave_up = "srun: error: Unable to create step for job 29986033: Memory required by task is not available\n"
+    # alone, Slurm refused the step as asked
+    assert diagnose_text(gave_up)[0].rule_id == "slurm-request-rejected"
+    # after "step creation temporarily disabled" retries, another step held the memory
+    waited = "srun: Job 29986033 step creation temporarily disabled, retrying (Requested nodes are busy)\n"
+    assert diagnose_text(waited + gave_up)[0].rule_id == "slurm-step-creation-blocked"
+
+
 @pytest.mark.parametrize(
     ("text", "rule_id"),
     [
@@ -288,6 +297,8 @@ def test_cuda_operation_not_supported_in_nccl_setup_points_at_the_driver():
         ("[rank2]: OSError: [Errno 39] Directory not empty: '/root/results/tmp-checkpoint-s0yubqtr' -> "
          "'/root/results/checkpoint-50'", "shared-fs-write-race"),
         ("FileExistsError: [Errno 17] File exists: '/path/to/run_dir/log/validation'", "shared-fs-write-race"),
+        ("AssertionError: num_heads (52) must be divisible by mp_size (8)", "parallel-size-mismatch"),
+        ("paramiko.ssh_exception.SSHException: not a valid OPENSSH private key file", "ssh-permission-denied"),
     ],
 )
 def test_round_eight_classes_read_their_other_wordings(text, rule_id):
