@@ -287,6 +287,17 @@ def test_srun_giving_up_after_step_retries_is_the_blocked_step_not_a_rejection()
     assert diagnose_text(waited + gave_up)[0].rule_id == "slurm-step-creation-blocked"
 
 
+def test_nccl_cuda_failure_asks_for_nccl_debug_only_when_the_log_does_not_name_the_error():
+    bare = diagnose_text("RuntimeError: NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1269, "
+                         "unhandled cuda error, NCCL version 2.14.3")[0]
+    assert bare.rule_id == "nccl-unhandled-cuda-error"
+    assert "NCCL_DEBUG=WARN" in bare.fix[0]
+    for name in ("nccl-unhandled-cuda-error.2.log", "nccl-unhandled-cuda-error.3.log"):
+        top = diagnose_path(FIXTURES / name)[0]
+        assert top.rule_id == "nccl-unhandled-cuda-error"
+        assert not any("NCCL_DEBUG" in step for step in top.fix), name
+
+
 @pytest.mark.parametrize(
     ("text", "rule_id"),
     [
