@@ -434,6 +434,24 @@ def test_another_launchers_rank_variables_do_not_reach_the_ranks(tmp_path: Path)
         assert (e["SLURM_JOB_ID"], e["FROM_FLAG"]) == ("4242", "1")
 
 
+def test_an_accelerate_script_under_torchrun_on_cpu_trains_as_one_job(tmp_path: Path) -> None:
+    """`Accelerator()` (what the transformers Trainer builds on) under the
+    default torchrun launcher on a machine without GPUs: one world of 2, not
+    2 worlds of 1 each training its own copy (accelerate's distributed type is
+    NO on CPU unless ACCELERATE_USE_CPU is set)."""
+    pytest.importorskip("accelerate")
+    write(tmp_path / "acc.py", """
+        from accelerate import Accelerator
+        acc = Accelerator()
+        print(f"ACC {acc.process_index}/{acc.num_processes} {acc.distributed_type}", flush=True)
+    """)
+    res = corral(["run", "--ranks", "all", "-n", "2", "acc.py"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    seen = sorted(line.split("ACC ", 1)[1] for line in res.stdout.splitlines() if "ACC " in line)
+    if not any("cuda" in s.lower() or "GPU" in s for s in seen):
+        assert seen == ["0/2 DistributedType.MULTI_CPU", "1/2 DistributedType.MULTI_CPU"], res.stdout
+
+
 def test_an_unknown_option_before_the_script_is_refused_at_once(tmp_path: Path) -> None:
     res = corral(["run", "--nproc_per_node", "2", "train.py"], tmp_path)
     assert res.returncode == 2 and "no such option: --nproc_per_node" in res.stderr
