@@ -355,6 +355,65 @@ def test_ctrl_c_reaches_the_script_as_keyboard_interrupt(tmp_path: Path, fresh: 
         "finally-0", "finally-1", "interrupted-0", "interrupted-1"]
 
 
+def test_sigterm_reaches_each_rank_once_and_waits_for_its_checkpoint(tmp_path: Path) -> None:
+    """corral stopped by SIGTERM (a scheduler preempting the job): as under
+    torchrun, every rank gets one SIGTERM (through its launcher, not a second
+    one from corral) and time to save its checkpoint (torchrun waits 30 s;
+    corral's old 3 s grace killed a 5 s save)."""
+    write(tmp_path / "preempt.py", """
+        import os, signal, sys, time
+        import torch.distributed as dist
+        got = []
+        signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        print("ready", flush=True)
+        while not got:
+            time.sleep(0.05)
+        time.sleep(5)  # a large state dict to a slow disk
+        with open(f"ckpt-{rank}", "w") as f:
+            f.write(str(len(got)))
+        sys.exit(0)
+    """)
+    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", "preempt.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_lines(proc, "ready", 2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert {p.name: p.read_text() for p in tmp_path.glob("ckpt-*")} == {"ckpt-0": "1", "ckpt-1": "1"}, out
+
+
+def test_a_rank_killed_after_the_grace_of_an_interrupt_is_named(tmp_path: Path) -> None:
+    """A rank that outlives --grace after Ctrl-C is killed, and the user is
+    told so with the option that gives it more time."""
+    write(tmp_path / "slow.py", """
+        import signal, time
+        import torch.distributed as dist
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        dist.init_process_group("gloo")
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", "--grace", "1", "slow.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_lines(proc, "ready", 2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "still running 1 s after the stop signal were killed" in out and "--grace SECONDS" in out, out
+
+
 def test_a_process_the_job_left_running_is_stopped_and_named(tmp_path: Path) -> None:
     marker = f"corral-leftover-{os.getpid()}"
     write(tmp_path / "bg.py", f"""

@@ -53,8 +53,10 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
               help="Ranks whose progress bars are shown as live status lines: '0', '0,4', '0-7' or 'all'.")
 @click.option("--node-timeout", type=click.FloatRange(min=2), default=10.0, show_default=True,
               help="Seconds without a heartbeat before a node is declared lost and the job torn down.")
-@click.option("--grace", type=click.FloatRange(min=0), default=3.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL when stopping the job.")
+@click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Seconds the job's processes get to exit after the signal that stops them, "
+                   "before SIGKILL  [default: 3 after a failure; 30, torchrun's own wait, after "
+                   "Ctrl-C or SIGTERM of corral]")
 @click.option("--hang-timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
               help="If no rank writes anything for this long, dump every rank's Python stack "
                    "(merged into one tree) and stop the job. Without it, 2 minutes of silence only "
@@ -84,7 +86,7 @@ def run(
     max_restarts: int,
     ranks_spec: str,
     node_timeout: float,
-    grace: float,
+    grace: float | None,
     hang_timeout: float | None,
     launcher_args: tuple[str, ...],
     fresh_ranks: bool,
@@ -144,7 +146,8 @@ def run(
         spec = dataclasses.replace(spec, run_id=new_run_id())
     options = RunOptions(
         runs_dir=runs_dir, max_restarts=max_restarts,
-        node_timeout=node_timeout, grace=grace, hang_timeout=hang_timeout,
+        node_timeout=node_timeout, hang_timeout=hang_timeout,
+        **({} if grace is None else {"grace": grace, "interrupt_grace": grace}),
         shown_ranks=None if status_ranks is None else frozenset(status_ranks),
     )
     # --json: stdout is the result object alone; the ranks' output goes to stderr
