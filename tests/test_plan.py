@@ -153,6 +153,9 @@ def test_only_named_or_allowlisted_env_travels() -> None:
     # TOKENIZERS_PARALLELISM is on the documented list: a setting, not a token
     assert env_from_head(head) == {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "TORCH_NCCL_TRACE": "1",
                                    "TOKENIZERS_PARALLELISM": "false"}
+    # W&B's off switches travel as HF_HUB_OFFLINE does (`WANDB_MODE=offline corral run ...`); its key does not
+    assert env_from_head({"WANDB_MODE": "offline", "WANDB_DISABLED": "true", "WANDB_API_KEY": "k"}) == {
+        "WANDB_MODE": "offline", "WANDB_DISABLED": "true"}
     p = plan(RunSpec(program="t.py", env={"WANDB_API_KEY": "k"}, run_id="r"), head_env=head)
     env = p.nodes[0].env
     assert env["WANDB_API_KEY"] == "k" and "HOME" not in env and "HF_TOKEN" not in env
