@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, new_run_id, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
-from corral.scriptcheck import script_and_args, self_launch_note
+from corral.scriptcheck import module_for, relative_import_line, script_and_args, self_launch_note
 from corral.stacks import fold_ranks
 
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
@@ -120,6 +121,7 @@ def run(
         raise UsageError(f"--ranks {ranks_spec!r}: {e}", hint="use e.g. --ranks 0 or --ranks 0-3,8") from None
     if launcher != "command" and not module:
         _refuse_launcher_as_program(program, args)
+        _refuse_relative_imports_run_as_file(program, tuple(args), workdir)
     if workdir is not None and not workdir.startswith(("/", "~")):
         raise UsageError(
             f"--workdir {workdir!r} is relative: on a node it would be taken from the ssh login directory",
@@ -234,6 +236,35 @@ def _refuse_launcher_as_program(program: str, args: tuple[str, ...]) -> None:
                      "; to run an arbitrary command on every node use --launcher command")
 
 
+def _refuse_relative_imports_run_as_file(program: str, args: tuple[str, ...], workdir: str | None) -> None:
+    """``corral run pkg/train.py`` where train.py does ``from .data import X``:
+    as a file every rank would fail with "attempted relative import with no
+    known parent package"; say to run it as the module it is."""
+    if not program.endswith(".py"):
+        return
+    base = Path(workdir).expanduser() if workdir else Path.cwd()
+    path = Path(program).expanduser()
+    path = path if path.is_absolute() else base / path
+    try:
+        source = path.read_text(errors="replace")
+    except OSError:
+        return  # not here: the nodes' copy is what runs, checked by preflight
+    line = relative_import_line(source)
+    found = None if line is None else module_for(path, base)
+    if line is None or found is None:
+        return
+    name, where = found
+    statement = source.splitlines()[line - 1].strip()
+    rest = " ".join(shlex.quote(a) for a in args)
+    chdir = "" if where.resolve() == base.resolve() else f"--workdir {shlex.quote(str(where))} "
+    raise UsageError(
+        f"{program}:{line} imports relative to its package ({statement}), which works only when Python "
+        f"runs it as a module: run as a file, every rank would fail with \"attempted relative import with "
+        "no known parent package\"",
+        hint=f"run it as the module it is: `corral run {chdir}-m {name}{' ' + rest if rest else ''}` "
+             "(as `torchrun -m` would)")
+
+
 #: Stands for the master port in a dry run's plan (corral picks a free one on
 #: node 0 only at launch); shown as ``PORT_UNCHOSEN`` wherever it lands.
 _PORT_STANDIN = 65099
@@ -297,9 +328,6 @@ def _port_unchosen(plan: LaunchPlan) -> LaunchPlan:
 def _q(word: str) -> str:
     if word == PORT_UNCHOSEN or word.endswith("=" + PORT_UNCHOSEN) or word.endswith(":" + PORT_UNCHOSEN):
         return word  # a placeholder, not a shell word
-
-    import shlex
-
     return shlex.quote(word)
 
 
