@@ -106,6 +106,9 @@ def test_run_refuses_a_package_module_run_as_a_file(tmp_path: Path) -> None:
     # from elsewhere: the directory to run it from is named too
     res = _run_cli(tmp_path, "--dry-run", str(pkg / "train.py"))
     assert res.exit_code == 2 and f"--workdir '{tmp_path / 'my pkg'}' -m mypkg.train" in res.output, res.output
+    # a --workdir that exists on the nodes only (--sync): this directory's copy is read
+    res = _run_cli(tmp_path / "my pkg", "--dry-run", "--workdir", "/srv/nowhere", "mypkg/train.py")
+    assert res.exit_code == 2 and "`corral run -m mypkg.train`" in res.output, res.output
     # -m, or a relative import the script guards itself, is left alone
     assert _run_cli(tmp_path / "my pkg", "--dry-run", "-m", "mypkg.train").exit_code == 0
     (pkg / "train.py").write_text("try:\n    from .data import X\nexcept ImportError:\n    from data import X\n")

@@ -244,7 +244,10 @@ def _refuse_relative_imports_run_as_file(program: str, args: tuple[str, ...], wo
         return
     base = Path(workdir).expanduser() if workdir else Path.cwd()
     path = Path(program).expanduser()
-    path = path if path.is_absolute() else base / path
+    if not path.is_absolute():
+        # --workdir on the nodes only (--sync copies this directory there)
+        base = base if (base / path).is_file() else Path.cwd()
+        path = base / path
     try:
         source = path.read_text(errors="replace")
     except OSError:
