@@ -224,9 +224,13 @@ class Runner:
     def _on_event(self, session: AgentSession, ev: dict) -> None:
         if ev.get("ev") == "killed" and self.interrupts:
             names = ", ".join(str(n) for n in ev.get("names") or ())
-            self.view.message(f"{session.name}: {ev.get('n')} process(es) still running {ev.get('grace'):g} s "
-                              f"after the stop signal were killed ({names}); a script that saves a "
-                              "checkpoint when stopped needs more time: --grace SECONDS")
+            grace = float(ev.get("grace") or 0)
+            why = ("a script that saves a checkpoint when stopped needs more time: --grace SECONDS"
+                   if grace < RunOptions.interrupt_grace else
+                   "they did not stop on the signal: a handler that ignores it, or one that waits on "
+                   "ranks already stopped (Lightning's SIGTERM handler does)")
+            self.view.message(f"{session.name}: {ev.get('n')} process(es) still running {grace:g} s "
+                              f"after the stop signal were killed ({names}); {why}")
         if ev.get("ev") == "leftover":
             names = ", ".join(str(n) for n in ev.get("names") or ())
             self.view.message(f"{session.name}: the job's launcher ended; stopping {ev.get('n')} process(es) "
