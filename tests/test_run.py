@@ -162,6 +162,25 @@ def test_a_rank_that_left_early_is_named_instead_of_blaming_its_peer(tmp_path: P
     assert "Likely cause: A peer rank went away" not in res.stderr  # the echo is not the cause
 
 
+def test_ranks_that_left_early_are_named_in_one_sentence(tmp_path: Path) -> None:
+    """`if rank != 0: sys.exit(0)` then a barrier on rank 0: every other rank
+    left early.  One folded sentence names them all (it was one sentence per
+    rank, cut at three)."""
+    write(tmp_path / "early.py", """
+        import sys, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() != 0:
+            sys.exit(0)          # "only rank 0 saves"
+        time.sleep(2)
+        dist.barrier()           # ... but rank 0 still syncs
+    """)
+    res = corral(["run", "-n", "4", "early.py"], tmp_path)
+    assert res.returncode != 0
+    assert res.stderr.count("had already exited without an error") == 1, res.stderr
+    assert "ranks 1-3 on " in res.stderr, res.stderr
+
+
 def test_a_multi_line_exception_is_one_line_in_the_summary(tmp_path: Path) -> None:
     write(tmp_path / "multi.py", """
         raise RuntimeError("checkpoint failed on 3 ranks:\\n" + "\\n".join(f"  rank {i}: " + "x" * 300 for i in range(3)))

@@ -19,6 +19,7 @@ from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
 from corral.console import RunConsole, parse_ranks
 from corral.errors import UsageError
+from corral.hostrange import fold
 from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, new_run_id, parse_env_flags
@@ -382,8 +383,10 @@ def _summary(result: RunResult, as_json: bool) -> None:
               f"(attempt {result.attempts}): {escape(f.describe())} [dim](first failure)[/]")
     for hint in result.hints:
         con.print(f"  [yellow]{escape(hint)}[/]")
-    for host, rank in result.left_early[:3]:
-        con.print(f"  [yellow]rank {rank} on {escape(host)} had already exited without an error[/] while the "
+    if result.left_early:  # one sentence for all of them (`if rank != 0: sys.exit(0)` is every rank but 0)
+        who = fold_ranks({r for _, r in result.left_early})
+        hosts = fold(h for h, _ in result.left_early)
+        con.print(f"  [yellow]{who} on {escape(hosts)} had already exited without an error[/] while the "
                   "others were still running: their next collective then lost a peer. Give every rank the "
                   "same work (the same number of steps and batches) or end every rank at the same barrier.")
     if result.stacks:
