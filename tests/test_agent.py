@@ -27,6 +27,35 @@ def test_newlines_and_carriage_returns() -> None:
     assert lines == [] and sp.flush() == [(b"partial", False)]
 
 
+def test_a_bar_drawn_below_the_cursor_is_a_status_not_blank_lines() -> None:
+    """tqdm(position=rank), the usual one-bar-per-rank idiom: every redraw is
+    N newlines, the bar, N cursor-ups.  It was N empty lines plus the bar as
+    a line on every refresh (215 of 347 lines on 6 ranks); now it is a status,
+    and what stays is the bar tqdm leaves at the end."""
+    import io
+
+    from tqdm import tqdm
+
+    out = io.StringIO()
+    for _ in tqdm(range(5), position=3, file=out, mininterval=0, miniters=1, ascii=True, desc="r3"):
+        pass
+    sp = LineSplitter()
+    lines, statuses = [], []
+    data = out.getvalue().encode()
+    assert data.startswith(b"\n\n\n") and b"\x1b[A" in data  # what tqdm writes for position=3
+    for i in range(0, len(data), 7):  # reads land anywhere
+        got, status = sp.feed(data[i:i + 7])
+        lines += got
+        statuses += [status] if status else []
+    lines += sp.flush()
+    assert len(lines) == 1 and lines[0][0].startswith(b"r3: 100%|##########| 5/5"), lines
+    assert statuses and all(b"\x1b" not in s and s.startswith(b"r3: ") for s in statuses), statuses
+    # Empty lines a program prints are kept, in place.
+    sp = LineSplitter()
+    got, _ = sp.feed(b"a\n\n\nb\n\n")
+    assert got + sp.flush() == [(b"a", False), (b"", False), (b"", False), (b"b", False), (b"", False)]
+
+
 def test_huge_line_is_sent_in_pieces_marked_to_be_joined() -> None:
     sp = LineSplitter()
     line = ("\u00e9" * (150 * 1024)).encode()  # 2-byte characters: a cut could land mid-character

@@ -90,6 +90,31 @@ def test_run_refuses_a_launcher_typed_as_the_program(tmp_path: Path) -> None:
     assert _run_cli(tmp_path, "--dry-run", "--launcher", "command", "python3", "x.py").exit_code == 0
 
 
+def test_run_refuses_a_package_module_run_as_a_file(tmp_path: Path) -> None:
+    # `corral run pkg/train.py` where train.py does `from .data import X`: every
+    # rank would fail with "attempted relative import with no known parent
+    # package"; told to run the module instead, before anything connects.
+    pkg = tmp_path / "my pkg" / "mypkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data.py").write_text("X = 1\n")
+    (pkg / "train.py").write_text("import os\nfrom .data import X\nprint(X)\n")
+    res = _run_cli(tmp_path / "my pkg", "--dry-run", "mypkg/train.py", "--lr", "3e-4")
+    assert res.exit_code == 2, res.output
+    assert "mypkg/train.py:2 imports relative to its package (from .data import X)" in res.output
+    assert "corral run -m mypkg.train --lr 3e-4" in res.output
+    # from elsewhere: the directory to run it from is named too
+    res = _run_cli(tmp_path, "--dry-run", str(pkg / "train.py"))
+    assert res.exit_code == 2 and f"--workdir '{tmp_path / 'my pkg'}' -m mypkg.train" in res.output, res.output
+    # a --workdir that exists on the nodes only (--sync): this directory's copy is read
+    res = _run_cli(tmp_path / "my pkg", "--dry-run", "--workdir", "/srv/nowhere", "mypkg/train.py")
+    assert res.exit_code == 2 and "`corral run -m mypkg.train`" in res.output, res.output
+    # -m, or a relative import the script guards itself, is left alone
+    assert _run_cli(tmp_path / "my pkg", "--dry-run", "-m", "mypkg.train").exit_code == 0
+    (pkg / "train.py").write_text("try:\n    from .data import X\nexcept ImportError:\n    from data import X\n")
+    assert _run_cli(tmp_path / "my pkg", "--dry-run", "mypkg/train.py").exit_code == 0
+
+
 def test_dry_run_names_each_nodes_ranks(tmp_path: Path) -> None:
     # one process per node read "ranks 0-0"
     res = _run_cli(tmp_path, "--dry-run", "-H", "nodea:1,nodeb:1", "t.py")

@@ -66,6 +66,17 @@ def test_accelerate_plan() -> None:
     assert "--multi_gpu" in cpu.nodes[0].argv and cpu.nodes[0].env["ACCELERATE_USE_CPU"] == "1"
 
 
+def test_torchrun_tells_accelerate_a_cpu_only_node_is_one() -> None:
+    """Accelerate (and the transformers Trainer) under torchrun on a node
+    without GPUs make every rank a world of its own unless ACCELERATE_USE_CPU
+    says the node is a CPU one; with GPUs, or one process in all, it stays unset."""
+    cpu = plan(RunSpec(program="train.py", run_id="r"))
+    assert all(n.env["ACCELERATE_USE_CPU"] == "1" for n in cpu.nodes)
+    gpu = plan(RunSpec(program="train.py", run_id="r"),
+               facts={"node1": NodeFacts(gpus=2), "node2": NodeFacts(gpus=2)})
+    assert all("ACCELERATE_USE_CPU" not in n.env for n in gpu.nodes)
+
+
 def test_accelerate_keeps_the_mode_the_user_chose(tmp_path) -> None:
     """--multi_gpu would override a config's FSDP/DeepSpeed (accelerate reads
     distributed_type only when no mode flag is given): corral adds it only
@@ -142,6 +153,9 @@ def test_only_named_or_allowlisted_env_travels() -> None:
     # TOKENIZERS_PARALLELISM is on the documented list: a setting, not a token
     assert env_from_head(head) == {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "TORCH_NCCL_TRACE": "1",
                                    "TOKENIZERS_PARALLELISM": "false"}
+    # W&B's off switches travel as HF_HUB_OFFLINE does (`WANDB_MODE=offline corral run ...`); its key does not
+    assert env_from_head({"WANDB_MODE": "offline", "WANDB_DISABLED": "true", "WANDB_API_KEY": "k"}) == {
+        "WANDB_MODE": "offline", "WANDB_DISABLED": "true"}
     p = plan(RunSpec(program="t.py", env={"WANDB_API_KEY": "k"}, run_id="r"), head_env=head)
     env = p.nodes[0].env
     assert env["WANDB_API_KEY"] == "k" and "HOME" not in env and "HF_TOKEN" not in env

@@ -162,6 +162,25 @@ def test_a_rank_that_left_early_is_named_instead_of_blaming_its_peer(tmp_path: P
     assert "Likely cause: A peer rank went away" not in res.stderr  # the echo is not the cause
 
 
+def test_ranks_that_left_early_are_named_in_one_sentence(tmp_path: Path) -> None:
+    """`if rank != 0: sys.exit(0)` then a barrier on rank 0: every other rank
+    left early.  One folded sentence names them all (it was one sentence per
+    rank, cut at three)."""
+    write(tmp_path / "early.py", """
+        import sys, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() != 0:
+            sys.exit(0)          # "only rank 0 saves"
+        time.sleep(2)
+        dist.barrier()           # ... but rank 0 still syncs
+    """)
+    res = corral(["run", "-n", "4", "early.py"], tmp_path)
+    assert res.returncode != 0
+    assert res.stderr.count("had already exited without an error") == 1, res.stderr
+    assert "ranks 1-3 on " in res.stderr, res.stderr
+
+
 def test_a_multi_line_exception_is_one_line_in_the_summary(tmp_path: Path) -> None:
     write(tmp_path / "multi.py", """
         raise RuntimeError("checkpoint failed on 3 ranks:\\n" + "\\n".join(f"  rank {i}: " + "x" * 300 for i in range(3)))
@@ -355,6 +374,65 @@ def test_ctrl_c_reaches_the_script_as_keyboard_interrupt(tmp_path: Path, fresh: 
         "finally-0", "finally-1", "interrupted-0", "interrupted-1"]
 
 
+def test_sigterm_reaches_each_rank_once_and_waits_for_its_checkpoint(tmp_path: Path) -> None:
+    """corral stopped by SIGTERM (a scheduler preempting the job): as under
+    torchrun, every rank gets one SIGTERM (through its launcher, not a second
+    one from corral) and time to save its checkpoint (torchrun waits 30 s;
+    corral's old 3 s grace killed a 5 s save)."""
+    write(tmp_path / "preempt.py", """
+        import os, signal, sys, time
+        import torch.distributed as dist
+        got = []
+        signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        print("ready", flush=True)
+        while not got:
+            time.sleep(0.05)
+        time.sleep(5)  # a large state dict to a slow disk
+        with open(f"ckpt-{rank}", "w") as f:
+            f.write(str(len(got)))
+        sys.exit(0)
+    """)
+    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", "preempt.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_lines(proc, "ready", 2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert {p.name: p.read_text() for p in tmp_path.glob("ckpt-*")} == {"ckpt-0": "1", "ckpt-1": "1"}, out
+
+
+def test_a_rank_killed_after_the_grace_of_an_interrupt_is_named(tmp_path: Path) -> None:
+    """A rank that outlives --grace after Ctrl-C is killed, and the user is
+    told so with the option that gives it more time."""
+    write(tmp_path / "slow.py", """
+        import signal, time
+        import torch.distributed as dist
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        dist.init_process_group("gloo")
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", "--grace", "1", "slow.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_lines(proc, "ready", 2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "still running 1 s after the stop signal were killed" in out and "--grace SECONDS" in out, out
+
+
 def test_a_process_the_job_left_running_is_stopped_and_named(tmp_path: Path) -> None:
     marker = f"corral-leftover-{os.getpid()}"
     write(tmp_path / "bg.py", f"""
@@ -432,6 +510,24 @@ def test_another_launchers_rank_variables_do_not_reach_the_ranks(tmp_path: Path)
     for e in seen:
         assert (e["SLURM_PROCID"], e["SLURM_NTASKS"], e["OMPI_COMM_WORLD_RANK"]) == (None, None, None)
         assert (e["SLURM_JOB_ID"], e["FROM_FLAG"]) == ("4242", "1")
+
+
+def test_an_accelerate_script_under_torchrun_on_cpu_trains_as_one_job(tmp_path: Path) -> None:
+    """`Accelerator()` (what the transformers Trainer builds on) under the
+    default torchrun launcher on a machine without GPUs: one world of 2, not
+    2 worlds of 1 each training its own copy (accelerate's distributed type is
+    NO on CPU unless ACCELERATE_USE_CPU is set)."""
+    pytest.importorskip("accelerate")
+    write(tmp_path / "acc.py", """
+        from accelerate import Accelerator
+        acc = Accelerator()
+        print(f"ACC {acc.process_index}/{acc.num_processes} {acc.distributed_type}", flush=True)
+    """)
+    res = corral(["run", "--ranks", "all", "-n", "2", "acc.py"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    seen = sorted(line.split("ACC ", 1)[1] for line in res.stdout.splitlines() if "ACC " in line)
+    if not any("cuda" in s.lower() or "GPU" in s for s in seen):
+        assert seen == ["0/2 DistributedType.MULTI_CPU", "1/2 DistributedType.MULTI_CPU"], res.stdout
 
 
 def test_an_unknown_option_before_the_script_is_refused_at_once(tmp_path: Path) -> None:

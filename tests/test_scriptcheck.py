@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.scriptcheck import self_launch, self_launch_note
+from corral.scriptcheck import module_for, relative_import_line, self_launch, self_launch_note
 
 CORRAL = [sys.executable, "-m", "corral"]
 
@@ -148,3 +148,25 @@ def test_the_script_of_a_command_launcher_run() -> None:
     assert script_and_args("command", "bash", ("-c", "python a.py")) == ("bash", ("-c", "python a.py"))
     assert script_and_args("torchrun", "train.py", ("--lr", "1")) == ("train.py", ("--lr", "1"))
     assert script_and_args("command", "python", ("-m", "pkg")) == ("python", ("-m", "pkg"))
+
+
+def test_a_relative_import_at_the_top_level_is_found() -> None:
+    assert relative_import_line("import os\nfrom .model import Net\n") == 2
+    assert relative_import_line("from . import utils\n") == 1
+    # guarded, or inside a function: the script may work both ways
+    assert relative_import_line("try:\n    from .m import a\nexcept ImportError:\n    from m import a\n") is None
+    assert relative_import_line("def f():\n    from .m import a\n") is None
+    assert relative_import_line("from os import path\n") is None
+    assert relative_import_line("from .m import (\n") is None  # does not parse: Python will say
+
+
+def test_the_module_of_a_file_and_where_to_run_it(tmp_path: Path) -> None:
+    pkg = tmp_path / "proj" / "pkg" / "sub"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "train.py").write_text("")
+    assert module_for(pkg / "train.py", tmp_path / "proj") == ("pkg.sub.train", tmp_path / "proj")
+    assert module_for(pkg / "train.py", tmp_path / "elsewhere") == ("pkg.sub.train", tmp_path / "proj")
+    (tmp_path / "loose.py").write_text("")
+    assert module_for(tmp_path / "loose.py", tmp_path / "elsewhere") is None

@@ -215,3 +215,20 @@ def test_ranks_the_teardown_terminated_are_not_named_from_torchruns_summary() ->
         w.event("b", {"ev": "line", "r": None, "t": line})
     w.event("b", {"ev": "exit", "code": 1, "sig": None})
     assert (w.root_cause().host, w.root_cause().rank) == ("a", 1)
+
+
+def test_a_traceback_the_script_printed_itself_names_its_exit() -> None:
+    """`traceback.print_exc(); os._exit(1)` (NVIDIA's torchrun_main around
+    @record): no uncaught exception for the hook to record, but the rank's
+    last lines are a traceback; the summary names its exception, not only
+    "exited with code 1".  A signal death keeps its own story."""
+    w = watch()
+    _lines(w, "b", 3, "Traceback (most recent call last):\n  File \"t.py\", line 9, in main\n"
+                      "    raise KeyError(\"missing 'labels' in batch\")\nKeyError: \"missing 'labels' in batch\"")
+    w.event("b", {"ev": "rank_exit", "r": 3, "code": 1, "sig": None, "exc": None})
+    cause = w.root_cause()
+    assert cause.rank == 3 and "failed: KeyError: \"missing 'labels' in batch\"" in cause.describe()
+    w = watch()
+    _lines(w, "b", 2, "Traceback (most recent call last):\n  File \"t.py\", line 1\nValueError: caught earlier")
+    w.event("b", {"ev": "rank_exit", "r": 2, "code": None, "sig": 9, "exc": None})
+    assert "ValueError" not in w.root_cause().describe()

@@ -38,6 +38,10 @@ ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", 
 ENV_ALLOW_NAMES = frozenset({
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE",
     "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER",
+    # the experiment trackers' off switches, set on the command line like the
+    # offline ones above (`WANDB_MODE=offline torchrun ...`): left behind, a
+    # rank calls W&B's servers and, with no key and no terminal, fails
+    "WANDB_MODE", "WANDB_DISABLED",
 })
 ENV_NEVER = frozenset({"CUDA_VISIBLE_DEVICES"})
 #: Never forwarded unless named with --env (HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...).

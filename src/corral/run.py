@@ -67,8 +67,12 @@ class RunOptions:
     max_restarts: int = 0
     #: Agent silence after which the head declares a node lost (seconds).
     node_timeout: float = 10.0
-    #: SIGTERM -> SIGKILL grace when tearing the job down (seconds).
+    #: SIGTERM -> SIGKILL grace when tearing the job down after a failure (seconds).
     grace: float = 3.0
+    #: The same after Ctrl-C / SIGTERM / SIGHUP of corral itself: what
+    #: torchrun gives its workers, so a script that checkpoints when it is
+    #: stopped (preemption) has the time it would have under torchrun.
+    interrupt_grace: float = 30.0
     connect_timeout: float = 10.0
     #: Keep the node-side temp dir (rank files) after the run, for debugging.
     keep_node_tmp: bool = False
@@ -218,6 +222,15 @@ class Runner:
     # -- events ------------------------------------------------------------
 
     def _on_event(self, session: AgentSession, ev: dict) -> None:
+        if ev.get("ev") == "killed" and self.interrupts:
+            names = ", ".join(str(n) for n in ev.get("names") or ())
+            grace = float(ev.get("grace") or 0)
+            why = ("a script that saves a checkpoint when stopped needs more time: --grace SECONDS"
+                   if grace < RunOptions.interrupt_grace else
+                   "they did not stop on the signal: a handler that ignores it, or one that waits on "
+                   "ranks already stopped (Lightning's SIGTERM handler does)")
+            self.view.message(f"{session.name}: {ev.get('n')} process(es) still running {grace:g} s "
+                              f"after the stop signal were killed ({names}); {why}")
         if ev.get("ev") == "leftover":
             names = ", ".join(str(n) for n in ev.get("names") or ())
             self.view.message(f"{session.name}: the job's launcher ended; stopping {ev.get('n')} process(es) "
@@ -433,7 +446,7 @@ class Runner:
         async def stop(s: AgentSession, reason: str) -> None:
             stop_sent.add(s.name)
             ctrl_c = self.interrupts and self.interrupt_signal == signal.SIGINT
-            await s.send(op="stop", grace=self.options.grace, reason=reason,
+            await s.send(op="stop", grace=self._grace(), reason=reason,
                          sig=int(signal.SIGINT if ctrl_c else signal.SIGTERM))
 
         while not watch.all_done:
@@ -460,7 +473,11 @@ class Runner:
             if stopping_since is None and (watch.failed or self.interrupts):
                 cause = None if self.interrupts else watch.root_cause()
                 reason = "interrupted" if cause is None else cause.describe()
-                self.view.message(f"{reason}: stopping every node")
+                if cause is None:
+                    self.view.message(f"interrupted: stopping every node (its processes get up to "
+                                      f"{self._grace():g} s to exit, --grace; Ctrl-C again stops them now)")
+                else:
+                    self.view.message(f"{reason}: stopping every node")
                 self.view.stopping()
                 watch.stopping = True
                 stopping_since = now
@@ -482,7 +499,7 @@ class Runner:
                         await stop(pool[name], "teardown")
             if stopping_since is not None:
                 waited = now - stopping_since
-                limit = self.options.grace * 2 + 8
+                limit = self._grace() * 2 + 8
                 if (self.interrupts > 1 or waited > limit) and not hard:
                     hard = True  # drop the channels: agents kill their trees on EOF
                     for s in pool.sessions:
@@ -491,6 +508,10 @@ class Runner:
                             watch.lose(s.name, "did not stop in time; its channel was closed")
                 if waited > limit + 15:
                     break
+
+    def _grace(self) -> float:
+        """Seconds the job's processes get between the stop signal and SIGKILL."""
+        return self.options.interrupt_grace if self.interrupts else self.options.grace
 
     # -- results -----------------------------------------------------------
 

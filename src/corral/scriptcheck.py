@@ -1,13 +1,15 @@
 """What a script's own source says about how it must be launched.
 
 Read on the head before anything starts, so a script written for another
-way of launching is named before it hangs.  The one case covered: a script
-that starts its own worker processes (``mp.spawn``, detectron2's
+way of launching is named before it hangs or fails on every rank.  A
+script that starts its own worker processes (``mp.spawn``, detectron2's
 ``launch``) and never asks the environment for its rank, run under a
-launcher that already starts several processes per node.  Each of those
+launcher that already starts several processes per node: each of those
 processes would start a full set of workers of its own, all of them
 waiting on one rendezvous address (the PyTorch DDP tutorial's
 ``localhost:12355``) for a world size that never fills up: a silent hang.
+And a module of a package (``from .data import X``) run as a file, which
+Python refuses on every rank: it must be run with ``-m``.
 
 A static look (``ast``), never an import: the head needs no torch, and the
 script is not run.  It errs towards silence: any sign that the script reads
@@ -98,6 +100,43 @@ def self_launch(source: str) -> SelfLaunch | None:
         if hit and (found is None or node.lineno < found.line):
             found = SelfLaunch(line=node.lineno, call=name)
     return found
+
+
+def relative_import_line(source: str) -> int | None:
+    """The line of a relative import (``from .data import X``) the script runs
+    at its top level: run as a file (``python pkg/train.py``) it cannot work,
+    Python fails with "attempted relative import with no known parent
+    package"; only ``python -m pkg.train`` can.  Imports under ``try``/``if``
+    or in functions are left alone (the script may handle both ways)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            return node.lineno
+    return None
+
+
+def module_for(path: Path, base: Path) -> tuple[str, Path] | None:
+    """``pkg/train.py`` as the module ``-m`` runs (``pkg.train``) and the
+    directory it must be run from: ``base`` when the file is under it by a
+    path of names Python can import, else the directory above the file's
+    outermost package (``__init__.py``)."""
+    path = path.resolve()
+    try:
+        parts = path.relative_to(base.resolve()).with_suffix("").parts
+        if all(p.isidentifier() for p in parts):
+            return ".".join(parts), base
+    except ValueError:
+        pass
+    top = path.parent
+    while (top / "__init__.py").is_file() and top.parent != top:
+        top = top.parent
+    parts = path.relative_to(top).with_suffix("").parts
+    if top == path.parent or not all(p.isidentifier() for p in parts):
+        return None
+    return ".".join(parts), top
 
 
 def script_and_args(launcher: str, program: str, args: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:

@@ -306,6 +306,11 @@ class JobWatch:
             self.soft.setdefault(host, []).append(
                 Failure(host=host, rank=ev.get("r"), kind="signal", signal=sig, consequential=True))
             return
+        if not exc and code and not sig and ev.get("r") is not None:
+            # No uncaught exception, but an exit code: a script that prints its
+            # traceback itself and exits (traceback.print_exc(); os._exit(1), as
+            # NVIDIA's torchrun_main decorator does) names its error that way.
+            exc = _exception_line(list(self.tails[ev.get("r")])[-30:])
         consequential = bool(exc and (_PEER_FAILURE.search(exc) or _STOPPED.search(exc)))
         if not consequential and not exc:
             # No exception line recorded: look at what the rank last wrote.

@@ -45,7 +45,6 @@ try:  # on a node, modules are installed under their wire names
         leftovers,
         libc_prctl,
         reap_orphans,
-        wait_gone,
     )
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
@@ -59,7 +58,6 @@ except ImportError:  # imported as part of the corral package (tests, head)
         leftovers,
         libc_prctl,
         reap_orphans,
-        wait_gone,
     )
     from corral.agent.relay import Channel, RankTailer, Relay, pump_pipe
 
@@ -127,6 +125,11 @@ class Agent:
         self.fresh_note = None
         self.job_dir = JobDir()
         self.stopping = False
+        #: When a stop's grace ends (monotonic): what is still running then is
+        #: killed.  The main loop checks it, so a second stop (the head's
+        #: channel closing after a second Ctrl-C) is not held up by the first.
+        self.stop_due = None
+        self.stop_grace = 0.0
         self.done = threading.Event()
 
     # -- plumbing ----------------------------------------------------------
@@ -169,6 +172,7 @@ class Agent:
             return
         spec = msg["spec"]
         self.stopping = False
+        self.stop_due = None
         try:
             tmp = self.job_dir.make(spec)
             log_dir = os.path.join(tmp, "logs")
@@ -285,24 +289,35 @@ class Agent:
         grace = float(msg.get("grace", 5.0))
         self.chan.send(ev="log", level="info", t="stopping (%s)" % msg.get("reason", "asked by head"))
         sig = int(msg.get("sig") or signal.SIGTERM)
-        if sig == signal.SIGINT:
-            # Ctrl-C as a terminal delivers it: to the launcher's process group
-            # only.  torchrun (accelerate, deepspeed) passes it on to its
-            # workers, which run in sessions of their own; signalling them
-            # too would interrupt their KeyboardInterrupt handler (the last
-            # checkpoint) with a second one.
-            try:
-                pgid = os.getpgid(self.proc.pid)
-                if pgid == self.proc.pid:
-                    os.killpg(pgid, signal.SIGINT)
-                else:
-                    os.kill(self.proc.pid, signal.SIGINT)
-            except OSError:
-                pass
-            if wait_gone(grace, {self.proc.pid}):
-                return
-            grace = 1.0  # what did not stop on SIGINT: SIGTERM, then SIGKILL
-        kill_tree(grace, {self.proc.pid})
+        # As a terminal (Ctrl-C) or a scheduler (SIGTERM) delivers it: to the
+        # launcher's process group only.  torchrun (accelerate, deepspeed)
+        # passes it on to its workers, which run in sessions of their own,
+        # once; signalling them too would deliver a second one in the middle
+        # of their handler (the KeyboardInterrupt `finally`, the checkpoint a
+        # SIGTERM handler saves).
+        try:
+            pgid = os.getpgid(self.proc.pid)
+            if pgid == self.proc.pid:
+                os.killpg(pgid, sig)
+            else:
+                os.kill(self.proc.pid, sig)
+        except OSError:
+            pass
+        self.stop_due = time.monotonic() + grace
+        self.stop_grace = grace
+
+    def check_stop(self) -> None:
+        """The grace of a stop is over and the launcher still runs: SIGTERM
+        what is left, then SIGKILL; say what that was."""
+        if self.stop_due is None or self.proc is None or self.proc.poll() is not None:
+            return
+        if time.monotonic() < self.stop_due:
+            return
+        self.stop_due = None
+        left = leftovers(0.0)
+        if left:
+            self.chan.send(ev="killed", n=len(left), names=sorted(set(left))[:5], grace=self.stop_grace)
+        kill_tree(1.0, {self.proc.pid})
 
     def op_signal(self, msg: dict) -> None:
         sig = int(msg["sig"])
@@ -404,6 +419,7 @@ class Agent:
                         self.chan.send(ev="fatal", t="agent error in %s: %s: %s" % (op, type(e).__name__, e))
             for relay in self.pipe_relays:
                 relay.tick()
+            self.check_stop()
             self.check_workload()
             if _CHILD_EXITED.is_set():  # scanning /proc only when a child changed state
                 _CHILD_EXITED.clear()

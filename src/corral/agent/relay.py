@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -22,6 +23,10 @@ except ImportError:  # imported as part of the corral package (tests, head)
 TAIL_INTERVAL_S = 0.02
 #: Longest partial line kept before it is sent anyway.
 MAX_PARTIAL = 64 * 1024
+#: Cursor-up escapes at the end of a segment (tqdm moving back from a bar it
+#: drew lower down), and one of them.
+_CURSOR_UPS = re.compile(rb"(?:\x1b\[\d*A)+$")
+_CURSOR_UP = re.compile(rb"\x1b\[(\d*)A")
 
 
 class Channel:
@@ -49,10 +54,33 @@ class LineSplitter:
     A ``\\r`` not followed by ``\\n`` ends a *status* segment (tqdm redraws);
     only the latest status per read is kept, so a progress bar becomes one
     live status line instead of a flood.
+
+    A bar drawn below the cursor (tqdm's ``position=N``, one bar per rank,
+    or an inner bar) moves down with N newlines, draws, and moves back up
+    with N cursor-ups (``ESC[A``): such a segment is a status too, and the
+    newlines its cursor-ups take back are movement, not lines.  Empty lines
+    are held until the next text for that reason (a bar's cursor-ups come
+    after the newlines they cancel), and sent in order before it.
     """
 
     def __init__(self) -> None:
         self.buf = b""
+        #: Empty lines held back (see the class docstring).
+        self.blank = 0
+
+    def _take_up(self, seg: bytes) -> tuple:
+        """``seg`` without the cursor-ups it ends with, and whether it had any;
+        those cancel as many held empty lines."""
+        m = _CURSOR_UPS.search(seg)
+        if not m:
+            return seg, False
+        ups = sum(int(n or b"1") for n in _CURSOR_UP.findall(m.group(0)))
+        self.blank -= min(self.blank, ups)
+        return seg[: m.start()], True
+
+    def _blanks(self) -> list:
+        out, self.blank = [(b"", False)] * self.blank, 0
+        return out
 
     def feed(self, data: bytes) -> tuple:
         """Return (lines, last_status) for this chunk.
@@ -72,22 +100,36 @@ class LineSplitter:
                 if i_r == len(self.buf) - 1:
                     break  # a '\r' at the end may be the start of '\r\n'
                 seg, self.buf = self.buf[:i_r], self.buf[i_r + 1 :]
+                seg, _ = self._take_up(seg)
                 if seg.strip():
                     status = seg
                 continue
             seg, self.buf = self.buf[:i_n], self.buf[i_n + 1 :]
+            seg, moved = self._take_up(seg)
+            if moved:
+                # a bar drawn lower down: a redraw, and this newline is the
+                # next draw's move down
+                if seg.strip():
+                    status = seg
+                self.blank += 1
+                continue
+            if not seg:
+                self.blank += 1
+                continue
+            lines += self._blanks()
             lines.append((seg, False))
             status = None
         if len(self.buf) > MAX_PARTIAL:
             cut = _char_boundary(self.buf, len(self.buf) - 1)  # keep a trailing '\r' for '\r\n'
+            lines += self._blanks()
             lines.append((self.buf[:cut], True))
             self.buf = self.buf[cut:]
         return lines, status
 
     def flush(self) -> list:
         rest, self.buf = self.buf, b""
-        rest = rest.rstrip(b"\r")
-        return [(rest, False)] if rest else []
+        rest, _ = self._take_up(rest.rstrip(b"\r"))
+        return self._blanks() + ([(rest, False)] if rest else [])
 
 
 def _char_boundary(b: bytes, end: int) -> int:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,11 +19,12 @@ from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
 from corral.console import RunConsole, parse_ranks
 from corral.errors import UsageError
+from corral.hostrange import fold
 from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, new_run_id, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
-from corral.scriptcheck import script_and_args, self_launch_note
+from corral.scriptcheck import module_for, relative_import_line, script_and_args, self_launch_note
 from corral.stacks import fold_ranks
 
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
@@ -53,8 +55,10 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
               help="Ranks whose progress bars are shown as live status lines: '0', '0,4', '0-7' or 'all'.")
 @click.option("--node-timeout", type=click.FloatRange(min=2), default=10.0, show_default=True,
               help="Seconds without a heartbeat before a node is declared lost and the job torn down.")
-@click.option("--grace", type=click.FloatRange(min=0), default=3.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL when stopping the job.")
+@click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Seconds the job's processes get to exit after the signal that stops them, "
+                   "before SIGKILL  [default: 3 after a failure; 30, torchrun's own wait, after "
+                   "Ctrl-C or SIGTERM of corral]")
 @click.option("--hang-timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
               help="If no rank writes anything for this long, dump every rank's Python stack "
                    "(merged into one tree) and stop the job. Without it, 2 minutes of silence only "
@@ -84,7 +88,7 @@ def run(
     max_restarts: int,
     ranks_spec: str,
     node_timeout: float,
-    grace: float,
+    grace: float | None,
     hang_timeout: float | None,
     launcher_args: tuple[str, ...],
     fresh_ranks: bool,
@@ -118,6 +122,7 @@ def run(
         raise UsageError(f"--ranks {ranks_spec!r}: {e}", hint="use e.g. --ranks 0 or --ranks 0-3,8") from None
     if launcher != "command" and not module:
         _refuse_launcher_as_program(program, args)
+        _refuse_relative_imports_run_as_file(program, tuple(args), workdir)
     if workdir is not None and not workdir.startswith(("/", "~")):
         raise UsageError(
             f"--workdir {workdir!r} is relative: on a node it would be taken from the ssh login directory",
@@ -144,7 +149,8 @@ def run(
         spec = dataclasses.replace(spec, run_id=new_run_id())
     options = RunOptions(
         runs_dir=runs_dir, max_restarts=max_restarts,
-        node_timeout=node_timeout, grace=grace, hang_timeout=hang_timeout,
+        node_timeout=node_timeout, hang_timeout=hang_timeout,
+        **({} if grace is None else {"grace": grace, "interrupt_grace": grace}),
         shown_ranks=None if status_ranks is None else frozenset(status_ranks),
     )
     # --json: stdout is the result object alone; the ranks' output goes to stderr
@@ -231,6 +237,38 @@ def _refuse_launcher_as_program(program: str, args: tuple[str, ...]) -> None:
                      "; to run an arbitrary command on every node use --launcher command")
 
 
+def _refuse_relative_imports_run_as_file(program: str, args: tuple[str, ...], workdir: str | None) -> None:
+    """``corral run pkg/train.py`` where train.py does ``from .data import X``:
+    as a file every rank would fail with "attempted relative import with no
+    known parent package"; say to run it as the module it is."""
+    if not program.endswith(".py"):
+        return
+    base = Path(workdir).expanduser() if workdir else Path.cwd()
+    path = Path(program).expanduser()
+    if not path.is_absolute():
+        # --workdir on the nodes only (--sync copies this directory there)
+        base = base if (base / path).is_file() else Path.cwd()
+        path = base / path
+    try:
+        source = path.read_text(errors="replace")
+    except OSError:
+        return  # not here: the nodes' copy is what runs, checked by preflight
+    line = relative_import_line(source)
+    found = None if line is None else module_for(path, base)
+    if line is None or found is None:
+        return
+    name, where = found
+    statement = source.splitlines()[line - 1].strip()
+    rest = " ".join(shlex.quote(a) for a in args)
+    chdir = "" if where.resolve() == base.resolve() else f"--workdir {shlex.quote(str(where))} "
+    raise UsageError(
+        f"{program}:{line} imports relative to its package ({statement}), which works only when Python "
+        f"runs it as a module: run as a file, every rank would fail with \"attempted relative import with "
+        "no known parent package\"",
+        hint=f"run it as the module it is: `corral run {chdir}-m {name}{' ' + rest if rest else ''}` "
+             "(as `torchrun -m` would)")
+
+
 #: Stands for the master port in a dry run's plan (corral picks a free one on
 #: node 0 only at launch); shown as ``PORT_UNCHOSEN`` wherever it lands.
 _PORT_STANDIN = 65099
@@ -294,9 +332,6 @@ def _port_unchosen(plan: LaunchPlan) -> LaunchPlan:
 def _q(word: str) -> str:
     if word == PORT_UNCHOSEN or word.endswith("=" + PORT_UNCHOSEN) or word.endswith(":" + PORT_UNCHOSEN):
         return word  # a placeholder, not a shell word
-
-    import shlex
-
     return shlex.quote(word)
 
 
@@ -348,8 +383,10 @@ def _summary(result: RunResult, as_json: bool) -> None:
               f"(attempt {result.attempts}): {escape(f.describe())} [dim](first failure)[/]")
     for hint in result.hints:
         con.print(f"  [yellow]{escape(hint)}[/]")
-    for host, rank in result.left_early[:3]:
-        con.print(f"  [yellow]rank {rank} on {escape(host)} had already exited without an error[/] while the "
+    if result.left_early:  # one sentence for all of them (`if rank != 0: sys.exit(0)` is every rank but 0)
+        who = fold_ranks({r for _, r in result.left_early})
+        hosts = fold(h for h, _ in result.left_early)
+        con.print(f"  [yellow]{who} on {escape(hosts)} had already exited without an error[/] while the "
                   "others were still running: their next collective then lost a peer. Give every rank the "
                   "same work (the same number of steps and batches) or end every rank at the same barrier.")
     if result.stacks:

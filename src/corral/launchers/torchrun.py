@@ -4,6 +4,11 @@ Static rendezvous with explicit node ranks: every node is told its rank and
 the master address, so there is no c10d rendezvous race between nodes and no
 etcd.  Job-level restarts are corral's (``--max-restarts``), so torchrun's own
 are off.
+
+On nodes without GPUs, ``ACCELERATE_USE_CPU=1`` (as the accelerate launcher
+sets): Hugging Face Accelerate, and the transformers ``Trainer`` built on it,
+join torchrun's ranks into one gloo group only when told the node is a CPU
+one; without it every rank trains a copy of its own, silently.
 """
 
 from __future__ import annotations
@@ -23,4 +28,7 @@ def plan(ctx: NodeContext) -> NodeCommand:
         *ctx.launcher_args,
     ]
     argv += program_argv(ctx)
-    return NodeCommand(argv=tuple(argv), env=node_env(ctx))
+    env = node_env(ctx)
+    if ctx.world_size > 1 and not ctx.gpus:
+        env["ACCELERATE_USE_CPU"] = "1"
+    return NodeCommand(argv=tuple(argv), env=env)
