@@ -433,6 +433,38 @@ def test_a_rank_killed_after_the_grace_of_an_interrupt_is_named(tmp_path: Path) 
     assert "still running 1 s after the stop signal were killed" in out and "--grace SECONDS" in out, out
 
 
+def test_ctrl_c_leaves_nothing_within_10_s_even_of_ranks_that_ignore_it(tmp_path: Path) -> None:
+    """The default grace after Ctrl-C fits issue 4's promise: zero processes of
+    the run within 10 s, also when every rank ignores SIGINT and SIGTERM."""
+    write(tmp_path / "deaf.py", """
+        import os, signal, time
+        import torch.distributed as dist
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        dist.init_process_group("gloo")
+        open(f"pid-{os.environ['RANK']}", "w").write(str(os.getpid()))
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", "deaf.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_lines(proc, "ready", 2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - started
+        assert proc.returncode == 130, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids), out
+    assert elapsed < 10, f"corral took {elapsed:.1f} s to leave nothing behind"
+    assert "still running 7 s after the stop signal were killed" in out, out
+
+
 def test_a_process_the_job_left_running_is_stopped_and_named(tmp_path: Path) -> None:
     marker = f"corral-leftover-{os.getpid()}"
     write(tmp_path / "bg.py", f"""

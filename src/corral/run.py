@@ -69,10 +69,12 @@ class RunOptions:
     node_timeout: float = 10.0
     #: SIGTERM -> SIGKILL grace when tearing the job down after a failure (seconds).
     grace: float = 3.0
-    #: The same after Ctrl-C / SIGTERM / SIGHUP of corral itself: what
-    #: torchrun gives its workers, so a script that checkpoints when it is
-    #: stopped (preemption) has the time it would have under torchrun.
-    interrupt_grace: float = 30.0
+    #: The same after Ctrl-C / SIGTERM / SIGHUP of corral itself: long enough
+    #: for a script that saves a checkpoint when it is stopped (preemption),
+    #: short enough that nothing of the run is left on any node 10 s after
+    #: Ctrl-C, and inside a scheduler's own wait before SIGKILL (Slurm's
+    #: KillWait is 30 s).  torchrun waits 30 s: ``--grace 30``.
+    interrupt_grace: float = 7.0
     connect_timeout: float = 10.0
     #: Keep the node-side temp dir (rank files) after the run, for debugging.
     keep_node_tmp: bool = False
@@ -225,10 +227,9 @@ class Runner:
         if ev.get("ev") == "killed" and self.interrupts:
             names = ", ".join(str(n) for n in ev.get("names") or ())
             grace = float(ev.get("grace") or 0)
-            why = ("a script that saves a checkpoint when stopped needs more time: --grace SECONDS"
-                   if grace < RunOptions.interrupt_grace else
-                   "they did not stop on the signal: a handler that ignores it, or one that waits on "
-                   "ranks already stopped (Lightning's SIGTERM handler does)")
+            why = ("a script that saves a checkpoint when stopped may need more time: --grace SECONDS "
+                   "(torchrun waits 30); or a handler ignores the signal or waits on ranks already "
+                   "stopped (Lightning's SIGTERM handler can)")
             self.view.message(f"{session.name}: {ev.get('n')} process(es) still running {grace:g} s "
                               f"after the stop signal were killed ({names}); {why}")
         if ev.get("ev") == "leftover":

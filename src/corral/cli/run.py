@@ -57,8 +57,8 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
               help="Seconds without a heartbeat before a node is declared lost and the job torn down.")
 @click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Seconds the job's processes get to exit after the signal that stops them, "
-                   "before SIGKILL  [default: 3 after a failure; 30, torchrun's own wait, after "
-                   "Ctrl-C or SIGTERM of corral]")
+                   "before SIGKILL  [default: 3 after a failure; 7 after Ctrl-C or SIGTERM of "
+                   "corral, for a last checkpoint; torchrun waits 30]")
 @click.option("--hang-timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
               help="If no rank writes anything for this long, dump every rank's Python stack "
                    "(merged into one tree) and stop the job. Without it, 2 minutes of silence only "
