@@ -90,7 +90,18 @@ class HostResult:
         return self.error is None and self.returncode == 0
 
 
+#: Put in front of the wrapper for a command with a newline, which travels as
+#: ``printf %b`` text (``\n`` for a newline, ``\\`` for a backslash): a csh
+#: login shell refuses a newline inside quotes and drops it outside, so
+#: ``ssh host CMD`` works there (csh runs the lines) but a quoted word with
+#: one does not.  The ``.`` keeps the command's trailing newlines.
+_DECODE = "set -- \"$(printf '%b.' \"$1\")\"; set -- \"${1%.}\"; "
+
+
 def remote_argv(command: str) -> list[str]:
+    if "\n" in command:
+        encoded = command.replace("\\", "\\\\").replace("\n", "\\n")
+        return ["sh", "-c", _DECODE + WRAPPER, "corral-exec", encoded]
     return ["sh", "-c", WRAPPER, "corral-exec", command]
 
 

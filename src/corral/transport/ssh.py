@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +53,34 @@ def _control_dir_candidates() -> Iterator[Path]:
     import tempfile
 
     yield Path(tempfile.gettempdir()) / f"corral-{os.getuid()}" / "ssh"
+
+
+#: Words every login shell reads as themselves: none of them expands these
+#: characters, and no word starts with zsh's ``=cmd``, tcsh's ``=N`` or a
+#: ``%`` job.
+_PLAIN = re.compile(r"[A-Za-z0-9_@+:,./-][A-Za-z0-9_@%+=:,./-]*")
+
+
+def shell_quote(word: str) -> str:
+    """``word`` as the login shell on the node will read it back, whichever it is.
+
+    sshd hands the command line to the user's login shell (``$SHELL -c
+    LINE``): sh, bash, zsh, but also fish or tcsh.  ``shlex.quote`` is
+    POSIX-only: fish reads ``\\`` and ``\'`` *inside* single quotes as escapes
+    (``a\\\\b`` arrived as ``a\\b``) and csh expands ``!`` there.  Here a
+    backslash, a single quote and ``!`` go between the quotes, each behind a
+    backslash, which every one of these shells reads as the character itself.
+    A newline cannot be passed to csh inside or outside quotes: callers that
+    may carry one encode it (``corral.fanout.remote_argv``).
+    """
+    if _PLAIN.fullmatch(word):
+        return word
+    return "'" + re.sub(r"[\\'!]", lambda m: "'\\" + m.group() + "'", word) + "'"
+
+
+def command_line(remote: list[str]) -> str:
+    """``remote`` (an argv) as one command line for the node's login shell."""
+    return " ".join(shell_quote(w) for w in remote)
 
 
 def _options(opts: tuple[str, ...]) -> list[str]:
@@ -122,7 +149,7 @@ class SSHTransport:
     def argv(self, host: Host, remote: list[str]) -> list[str]:
         # ssh joins its arguments with spaces and hands them to the remote
         # login shell, so quote each word exactly once here.
-        return self.base_argv(host) + ["--", " ".join(shlex.quote(w) for w in remote)]
+        return self.base_argv(host) + ["--", command_line(remote)]
 
     def failure(self, host: Host, returncode: int, stderr: str) -> HostError:
         return classify_ssh_failure(host, returncode, stderr)
