@@ -27,6 +27,7 @@ from corral.agent.bundle import payload, remote_argv
 from corral.errors import HostError, PreflightError
 from corral.model import Cluster, Host
 from corral.transport import Transport, transport_for
+from corral.transport.ssh import python_hint
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,10 @@ class AgentSession:
                 self._hello.set_result(ev)
             return
         if kind == "fatal" and self._hello is not None and not self._hello.done():
-            self._hello.set_exception(HostError(self.name, str(ev.get("t")), kind="agent-failed"))
+            old = ev.get("kind") == "old-python"
+            self._hello.set_exception(HostError(self.name, str(ev.get("t")),
+                                                hint=python_hint(self.host) if old else None,
+                                                kind="no-python" if old else "agent-failed"))
             return
         if kind == "result":
             fut = self._pending.pop(ev.get("id"), None)

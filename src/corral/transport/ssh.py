@@ -214,6 +214,12 @@ _RULES: list[tuple[str, str, str, str]] = [
 ]
 
 
+def python_hint(host: Host) -> str:
+    """What to do when ``host``'s interpreter is missing or older than the agent needs."""
+    return (f"install Python 3.8+ on {host.name}, or point `python` for it in the cluster file "
+            f"at one (now {host.python!r})")
+
+
 def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
     """Turn an ssh exit status and stderr into a named, hinted HostError."""
     text = stderr.strip()
@@ -225,7 +231,7 @@ def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
         return HostError(
             host.name,
             f"cannot run the interpreter {host.python!r} there",
-            hint=f"install Python 3.8+ on {host.name} or set `python` for it in the cluster file",
+            hint=python_hint(host),
             kind="no-python",
         )
     if not text and returncode == SSH_ERROR:
