@@ -640,3 +640,27 @@ def test_a_python_too_old_for_the_agent_is_named_with_the_fix(python: str | None
 
     [err] = asyncio.run(one_shot())
     assert f"found {version}" in err.message and err.hint and python in err.hint
+
+
+def test_a_work_directory_in_the_home_directory_is_the_nodes_own(tmp_path, monkeypatch) -> None:
+    # `workdir = "~/proj"` is accepted (homes differ between nodes), but the
+    # agent took it literally: "working directory ~/proj does not exist".
+    home = tmp_path / "home"
+    (home / "proj").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    events: list[dict] = []
+
+    async def main() -> None:
+        pool = AgentPool(_local(), tag="t", on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            s = pool.sessions[0]
+            probe = await s.call("probes.preflight", workdir="~/proj", paths=["x.py"])
+            assert probe["workdir"]["exists"] and probe["missing"] == ["x.py"]
+            await start(s, [sys.executable, "-c", "import os; open('here', 'w').write(os.getcwd())"], "~/proj")
+            await until_exit(events, 10.0)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert (home / "proj" / "here").read_text() == str(home / "proj")

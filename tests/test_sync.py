@@ -642,3 +642,31 @@ def test_a_stat_cache_that_cannot_be_written_leaves_no_half_written_file(tmp_pat
     monkeypatch.setattr(nodetree.json, "dump", full)
     nodetree.save_cache(str(tmp_path / "proj"), {"a": [1, 2]})
     assert list((tmp_path / ".cache" / "corral" / "sync").iterdir()) == []
+
+
+def test_a_destination_in_the_home_directory_is_each_nodes_own(tmp_path: Path) -> None:
+    # `workdir = "~/proj"` (homes differ between nodes: /home/ubuntu, /root)
+    # is accepted by the cluster file and `corral run`, but sync refused it
+    # ("--to '~/proj': give an absolute path") and, on a node, rsync wrote to
+    # a literal `~` (it gets the path through its protocol, not a shell).
+    root = make_project(tmp_path / "p")
+    res = subprocess.run([*CORRAL, "sync", "--to", "~/proj", "--json"], cwd=root,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert _tree(Path.home() / "proj") == {k: v for k, v in _tree(root).items() if k in EXPECTED}
+    assert not (root / "~").exists() and not (tmp_path / "~").exists()
+
+
+@pytest.mark.sandbox
+def test_a_destination_in_the_home_directory_reaches_every_node(sandbox, project: Path) -> None:
+    name = f"corral-test-home-{os.getpid()}"
+    home = Path(sandbox.exec(sandbox.nodes[0], ["sh", "-c", "echo ~"], check=True).stdout.strip())
+    try:
+        res = corral_sync(project, sandbox.cluster_file, "--to", f"~/{name}", "--json")
+        assert res.returncode == 0, res.stderr
+        want = _expected(project, EXPECTED | {"ckpt/big.bin"})
+        for node in sandbox.nodes:
+            assert node_tree(sandbox, node, home / name) == want, node
+    finally:
+        for node in sandbox.nodes:
+            sandbox.exec(node, ["rm", "-rf", str(home / name)])

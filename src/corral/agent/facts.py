@@ -164,6 +164,7 @@ def _workdir(workdir, errors) -> dict:
     out = {"workdir": workdir, "workdir_exists": None, "disk_free_bytes": None}
     if not workdir:
         return out
+    workdir = os.path.expanduser(workdir)  # `~/proj`: this node's home
     out["workdir_exists"] = os.path.isdir(workdir)
     if out["workdir_exists"]:
         # access(2) answers EROFS for a read-only mount, and the login

@@ -209,6 +209,7 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
         result["accelerate_mode"] = accelerate_default_mode()
     base = None
     if workdir:
+        workdir = os.path.expanduser(workdir)  # `~/proj`: this node's home
         exists = os.path.isdir(workdir)
         result["workdir"] = {"path": workdir, "exists": exists, "writable": exists and os.access(workdir, os.W_OK),
                              "fstype": fstype(workdir) if exists else None,

@@ -301,6 +301,8 @@ class Syncer:
             "copy": [f"{units[i].dest}/{p}" for i, p in copy],
             "delete": [f"{units[i].dest}/{p}" for i, p in delete],
             "bytes": size,
+            # where each unit is on this node: `~/proj` is its own home there
+            "dests": [st.get("path") or unit.dest for unit, st in zip(units, status)],
         }
 
     def _readonly_result(self, name: str, plan: dict, status: list[dict]) -> NodeResult:
@@ -359,7 +361,8 @@ class Syncer:
                         if j == i and (j, p) not in chained[host.name]
                     ]
                     await rsync.send(
-                        self.cluster, host, str(unit.root), unit.dest, paths, on_bytes=progress
+                        self.cluster, host, str(unit.root), plans[host.name]["dests"][i], paths,
+                        on_bytes=progress,
                     )
 
             _, problems = await gather_hosts(hosts, star)

@@ -281,9 +281,10 @@ def path_units(cwd: Path, names: tuple[str, ...], to: str | None) -> list[Unit]:
 
 def build_units(cwd: Path, names: tuple[str, ...] = (), to: str | None = None) -> list[Unit]:
     """What to send, as units (one per root); ``to`` replaces each root's destination."""
-    if to is not None and not to.startswith("/"):
+    if to is not None and not to.startswith(("/", "~")):
         raise UsageError(
-            f"--to {to!r}: give an absolute path on the nodes", hint="e.g. --to /srv/project"
+            f"--to {to!r}: give an absolute path on the nodes (or ~/DIR, in the home there)",
+            hint="e.g. --to /srv/project",
         )
     return path_units(cwd, names, to) if names else [project_unit(cwd, to)]
 

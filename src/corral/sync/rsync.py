@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 from collections.abc import Callable, Sequence
 
@@ -56,7 +57,8 @@ def argv(cluster: Cluster, host: Host, source_root: str, dest_root: str) -> list
     src = source_root.rstrip("/") + "/"
     dest = dest_root.rstrip("/") + "/"
     if host.local:
-        return ["rsync", *BASE_FLAGS, src, dest]
+        return ["rsync", *BASE_FLAGS, src, os.path.expanduser(dest)]
+    # rsync leaves a leading `~` of the remote path to the node's shell: its home.
     return ["rsync", *BASE_FLAGS, "-e", rsh(cluster, host), src, f"{host.name}:{dest}"]
 
 
