@@ -494,6 +494,34 @@ def test_bad_socket_ifname_on_one_node_is_diagnosed_live(sandbox, tmp_path: Path
     assert_clean(sandbox, within=5)
 
 
+def test_a_node_whose_host_name_is_127_0_1_1_still_runs_gloo(sandbox, workdir: Path) -> None:
+    # Debian's /etc/hosts names the host 127.0.1.1.  gloo advertises that to
+    # the other nodes: "Gloo connectFullMesh failed ... Connection refused,
+    # remote=[127.0.1.1]" whenever that node is not node 0.
+    victim = sandbox.nodes[-1]
+    hosts = sandbox.exec(victim, ["cat", "/etc/hosts"], check=True).stdout
+    debian = f"127.0.1.1\t{victim}\n" + "".join(
+        line + "\n" for line in hosts.splitlines() if not line.rstrip().endswith(victim))
+    sandbox.exec(victim, ["sh", "-c", "cat > /etc/hosts"], input=debian, check=True)  # in place: a bind mount
+    try:
+        assert sandbox.exec(victim, ["getent", "hosts", victim]).stdout.split()[0] == "127.0.1.1"
+        write(workdir / "ar.py", """
+            import torch, torch.distributed as dist
+            dist.init_process_group("gloo")
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            print("sum", int(t.item()), flush=True)
+        """)
+        res = corral(sandbox, ["ar.py"], workdir, timeout=120)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.count(f"sum {2 * len(sandbox.nodes)}") == 2 * len(sandbox.nodes)
+        assert f"{victim}'s host name '{victim}' resolves to 127.0.1.1: its ranks get GLOO_SOCKET_IFNAME=eth0" \
+            in res.stderr
+    finally:
+        sandbox.exec(victim, ["sh", "-c", "cat > /etc/hosts"], input=hosts, check=True)
+    assert_clean(sandbox, within=5)
+
+
 def test_missing_interpreter_on_one_node_is_named(sandbox, tmp_path: Path) -> None:
     victim = sandbox.nodes[1]
     text = sandbox.cluster_file.read_text()

@@ -53,3 +53,19 @@ def test_a_workdir_that_is_a_link_to_nowhere_says_so(tmp_path: Path) -> None:
     wd = preflight(workdir=str(link))["workdir"]
     assert wd["exists"] is False and wd["link_to"] == str(tmp_path / "gone")
     assert "link_to" not in preflight(workdir=str(tmp_path / "missing"))["workdir"]
+
+
+def test_a_node_whose_host_name_is_loopback_is_given_gloos_interface() -> None:
+    # Debian writes `127.0.1.1 <hostname>` to /etc/hosts: gloo advertises that
+    # to the other nodes, whose ranks then fail with "connectFullMesh failed
+    # ... Connection refused, remote=[127.0.1.1]" (only when it is not node 0).
+    from corral.preflight import gloo_interface
+
+    addresses = [{"name": "eth0", "address": "10.0.0.3", "prefix": 24},
+                 {"name": "ib0", "address": "10.1.0.3", "prefix": 16}]
+    debian = {"hostname_addresses": ["127.0.1.1"], "addresses": addresses, "env": {}}
+    assert gloo_interface(debian, "10.0.0.3") == "eth0"
+    assert gloo_interface(debian, "10.1.0.3") == "ib0"  # the rendezvous network's
+    assert gloo_interface(dict(debian, hostname_addresses=[]), "10.0.0.3") == "eth0"  # gloo: 127.0.0.1
+    assert gloo_interface(dict(debian, hostname_addresses=["10.0.0.3"]), "10.0.0.3") is None
+    assert gloo_interface(dict(debian, env={"GLOO_SOCKET_IFNAME": "eth0"}), "10.0.0.3") is None

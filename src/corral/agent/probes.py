@@ -101,6 +101,16 @@ def free_port() -> int:
         s.close()
 
 
+def hostname_addresses(hostname=None) -> list:
+    """What this node's host name resolves to: the address gloo advertises to
+    the other ranks unless GLOO_SOCKET_IFNAME names an interface."""
+    try:
+        infos = socket.getaddrinfo(hostname or socket.gethostname(), None, 0, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return sorted({info[4][0] for info in infos})
+
+
 def _importable(name: str) -> bool:
     import importlib.util
 
@@ -194,6 +204,7 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
     --env): the GPUs counted are the ones its ranks will see."""
     result = {
         "hostname": socket.gethostname(),
+        "hostname_addresses": hostname_addresses(),
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "addresses": routable_addresses(),
