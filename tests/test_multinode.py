@@ -522,6 +522,19 @@ def test_a_node_whose_host_name_is_127_0_1_1_still_runs_gloo(sandbox, workdir: P
     assert_clean(sandbox, within=5)
 
 
+def test_one_machine_under_two_names_is_refused_before_anything_starts(sandbox, tmp_path: Path) -> None:
+    # A node by name and again by IP address: two torchruns on one machine
+    # (the same GPUs), sharing one job directory; its ranks' lines were shown
+    # under the other entry's name.
+    twice = sandbox.nodes[1]
+    cluster = tmp_path / "corral.toml"
+    cluster.write_text(sandbox.cluster_file.read_text() + f'\n[[hosts]]\nname = "{sandbox.addresses[twice]}"\n')
+    res = corral(sandbox, ["examples/train_ddp.py"], REPO, cluster=cluster, timeout=60)
+    assert res.returncode == 3, res.stderr
+    assert f"{twice} and {sandbox.addresses[twice]} are the same machine" in res.stderr, res.stderr
+    assert_clean(sandbox, within=5)
+
+
 def test_missing_interpreter_on_one_node_is_named(sandbox, tmp_path: Path) -> None:
     victim = sandbox.nodes[1]
     text = sandbox.cluster_file.read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from corral.agent.probes import dir_identity, fstype
@@ -69,3 +70,24 @@ def test_a_node_whose_host_name_is_loopback_is_given_gloos_interface() -> None:
     assert gloo_interface(dict(debian, hostname_addresses=[]), "10.0.0.3") == "eth0"  # gloo: 127.0.0.1
     assert gloo_interface(dict(debian, hostname_addresses=["10.0.0.3"]), "10.0.0.3") is None
     assert gloo_interface(dict(debian, env={"GLOO_SOCKET_IFNAME": "eth0"}), "10.0.0.3") is None
+
+
+def test_one_machine_listed_under_two_names_is_refused() -> None:
+    # `gpu2` and its IP address in one hostfile: two agents, two torchruns on
+    # the same GPUs, one job directory; the ranks' output was even attributed
+    # to the wrong entry.
+    from corral.preflight import same_machine
+
+    probes = {"gpu1": {"machine": ["boot-a", 1]}, "10.0.0.2": {"machine": ["boot-b", 1]},
+              "gpu2": {"machine": ["boot-b", 1]}, "gpu3": {"machine": ["boot-b", 2]}, "old": {}}
+    [err] = same_machine(probes)
+    assert err.host == "10.0.0.2" and "10.0.0.2 and gpu2 are the same machine" in err.message
+    assert "list each machine once" in err.hint
+    assert same_machine({"a": {"machine": ["x", 1]}, "b": {"machine": ["x", 2]}}) == []  # containers
+
+
+def test_the_probe_says_which_machine_it_is() -> None:
+    from corral.agent.probes import machine_identity
+
+    boot, netns = machine_identity()
+    assert len(boot) == 36 and netns == os.stat("/proc/self/ns/net").st_ino

@@ -115,12 +115,32 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
                     hint=f"install {mod} in that environment, or point `python` for this host at the "
                          "interpreter that has it (cluster file)",
                     kind="no-module"))
+    problems += same_machine({s.name: results[s.name] for s in pool.sessions})
     if problems:
         raise PreflightError(problems, what="preflight")
     stale = [s.name for s in pool.sessions if spec.program in (results[s.name].get("differs") or [])]
     if stale:
         (warn or log.warning)(stale_script_warning(spec.program, stale))
     return results
+
+
+def same_machine(results: Mapping[str, dict]) -> list[HostError]:
+    """Hosts that are one machine under two names (``gpu2`` and its IP address):
+    it would run two nodes' ranks on the same GPUs, in one job directory."""
+    seen: dict[tuple, list[str]] = {}
+    for name, probe in results.items():
+        if probe.get("machine"):
+            seen.setdefault(tuple(probe["machine"]), []).append(name)
+    problems = []
+    for names in seen.values():
+        if len(names) > 1:
+            listed = ", ".join(names[:-1]) + " and " + names[-1]
+            problems.append(HostError(
+                names[0], f"{listed} are the same machine (one kernel, one network): it would start "
+                          f"{len(names)} nodes' processes there, on the same GPUs",
+                hint="list each machine once in the cluster file (for more processes on it, raise its "
+                     "`slots` or use --nproc-per-node)", kind="same-machine"))
+    return problems
 
 
 #: File systems that live on one machine: what one node writes there, no other node sees.

@@ -194,6 +194,18 @@ def dir_identity(path):
     return [boot, st.st_dev, st.st_ino]
 
 
+def machine_identity():
+    """[kernel boot id, network namespace]: two hosts of a cluster file with the
+    same one are one machine reached under two names (an IP address and a
+    name), not two nodes."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return [boot, os.stat("/proc/self/ns/net").st_ino]
+    except OSError:
+        return None
+
+
 def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(), compare=None,
               accelerate=False, cuda_visible_devices=None) -> dict:
     """Everything the head needs to plan a launch, in one round trip.
@@ -205,6 +217,7 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
     result = {
         "hostname": socket.gethostname(),
         "hostname_addresses": hostname_addresses(),
+        "machine": machine_identity(),
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "addresses": routable_addresses(),
