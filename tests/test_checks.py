@@ -373,6 +373,14 @@ def test_hostname_resolving_to_loopback_breaks_gloo() -> None:
     assert "`corral run` sets GLOO_SOCKET_IFNAME" in found.message
     # Said once: node2 naming itself 127.0.1.1 is not also "node2 resolves differently" (an error).
     assert [f.severity for f in findings(ev, "network.resolve")] == [OK]
+    # Above its real line too: gloo takes the first address getaddrinfo gives.
+    data["facts"]["node2"]["resolve"]["node2"] = ["10.204.62.12", "127.0.1.1"]
+    data["facts"]["node2"]["hostname_addresses"] = ["127.0.1.1", "10.204.62.12"]
+    ev = evidence(data)
+    assert "resolves to 127.0.1.1 (loopback) first" in one(ev, "network.hostname", WARNING).message
+    assert [f.severity for f in findings(ev, "network.resolve")] == [OK]
+    data["facts"]["node2"]["hostname_addresses"] = ["10.204.62.12", "127.0.1.1"]
+    assert findings(evidence(data), "network.hostname") == []
     data["env"]["node2"]["GLOO_SOCKET_IFNAME"] = "eth0"
     assert findings(evidence(data), "network.hostname") == []
 

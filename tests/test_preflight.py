@@ -69,6 +69,9 @@ def test_a_node_whose_host_name_is_loopback_is_given_gloos_interface() -> None:
     assert gloo_interface(debian, "10.1.0.3") == "ib0"  # the rendezvous network's
     assert gloo_interface(dict(debian, hostname_addresses=[]), "10.0.0.3") == "eth0"  # gloo: 127.0.0.1
     assert gloo_interface(dict(debian, hostname_addresses=["10.0.0.3"]), "10.0.0.3") is None
+    # gloo takes the first address: the 127.0.1.1 line above the real one breaks it too
+    assert gloo_interface(dict(debian, hostname_addresses=["127.0.1.1", "10.0.0.3"]), "10.0.0.3") == "eth0"
+    assert gloo_interface(dict(debian, hostname_addresses=["10.0.0.3", "127.0.1.1"]), "10.0.0.3") is None
     assert gloo_interface(dict(debian, env={"GLOO_SOCKET_IFNAME": "eth0"}), "10.0.0.3") is None
 
 

@@ -272,8 +272,8 @@ def gloo_interface(probe: dict, address: str | None) -> str | None:
     if "GLOO_SOCKET_IFNAME" in (probe.get("env") or {}):
         return None
     resolved = probe.get("hostname_addresses")
-    if resolved is None or any(not ipaddress.ip_address(a.split("%")[0]).is_loopback for a in resolved):
-        return None
+    if resolved is None or resolved and not ipaddress.ip_address(resolved[0].split("%")[0]).is_loopback:
+        return None  # gloo takes the first address: `127.0.1.1 host` above the real line breaks it too
     return next((a["name"] for a in probe.get("addresses") or [] if a["address"] == address and a.get("name")), None)
 
 
@@ -290,7 +290,7 @@ def node_facts(pool: AgentPool, probes: Mapping[str, dict], master: str, *, job_
         if len(pool.sessions) > 1 and not job_sets_gloo(s.host):
             gloo = gloo_interface(probe, address)
         if gloo:
-            resolved = ", ".join(probe.get("hostname_addresses") or []) or "nothing"
+            resolved = (probe.get("hostname_addresses") or ["nothing"])[0]
             fixed.append(f"{s.name}'s host name {probe.get('hostname')!r} resolves to {resolved}: its ranks get "
                          f"GLOO_SOCKET_IFNAME={gloo} (the interface of {address})")
         facts[s.name] = NodeFacts(gpus=probe.get("gpus"), address=address,

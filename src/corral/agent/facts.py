@@ -26,6 +26,11 @@ import subprocess
 import sys
 import time
 
+try:  # on a node, modules are installed under their wire names
+    from corral_agent_probes import hostname_addresses
+except ImportError:  # imported as part of the corral package (tests, head)
+    from corral.agent.probes import hostname_addresses
+
 #: Distributions reported under ``packages`` (name in the facts -> dist names tried).
 PACKAGES = {
     "torch": ("torch",),
@@ -119,6 +124,7 @@ def collect(workdir=None, peers=(), torch=True, torch_timeout=90.0, tmpdir=None)
     names = [p.get("name") for p in peers if p.get("name")]
     names.append(facts["hostname"])
     facts["resolve"] = {name: _resolve(name) for name in dict.fromkeys(names)}
+    facts["hostname_addresses"] = hostname_addresses()  # in order: gloo takes the first
     addresses = [p.get("address") for p in peers if p.get("address")]
     for resolved in facts["resolve"].values():
         addresses.extend(resolved)

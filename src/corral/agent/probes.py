@@ -102,13 +102,14 @@ def free_port() -> int:
 
 
 def hostname_addresses(hostname=None) -> list:
-    """What this node's host name resolves to: the address gloo advertises to
-    the other ranks unless GLOO_SOCKET_IFNAME names an interface."""
+    """What this node's host name resolves to, in getaddrinfo's order: gloo
+    advertises the first address to the other ranks unless GLOO_SOCKET_IFNAME
+    names an interface."""
     try:
         infos = socket.getaddrinfo(hostname or socket.gethostname(), None, 0, socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         return []
-    return sorted({info[4][0] for info in infos})
+    return list(dict.fromkeys(info[4][0] for info in infos))
 
 
 def _importable(name: str) -> bool:
