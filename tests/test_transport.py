@@ -43,3 +43,28 @@ def test_every_word_reaches_the_node_intact_whatever_its_login_shell(shell: str)
     res = subprocess.run([path, "-c", line], check=False, capture_output=True, text=True, timeout=30,
                          env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8"})
     assert res.stdout == "".join(f"[{w}]\n" for w in NASTY), res.stderr
+
+
+def test_a_key_with_a_passphrase_and_no_agent_is_named(tmp_path, monkeypatch) -> None:
+    # BatchMode skips a key it would have to ask a passphrase for, and the
+    # server then says only "Permission denied": corral's hint was to install
+    # the key, which was installed.
+    if shutil.which("ssh-keygen") is None:
+        pytest.skip("no ssh-keygen")
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    locked, pem, plain = tmp_path / "locked", tmp_path / "pem", tmp_path / "plain"
+    for path, extra in ((locked, ["-N", "secret"]), (pem, ["-N", "secret", "-m", "PEM", "-t", "rsa", "-b", "1024"]),
+                        (plain, ["-N", ""])):
+        subprocess.run(["ssh-keygen", "-q", "-f", str(path), *(extra if "-t" in extra else ["-t", "ed25519", *extra])],
+                       check=True, capture_output=True)
+    from corral.transport.ssh import _has_passphrase
+
+    assert _has_passphrase(str(locked)) and _has_passphrase(str(pem)) and not _has_passphrase(str(plain))
+    host = Host(name="gpu1")
+    cluster = Cluster(hosts=(host,), ssh_options=(f"IdentityFile={locked}", "IdentitiesOnly=yes"))
+    err = SSHTransport(cluster, multiplex=False).failure(host, 255, "root@gpu1: Permission denied (publickey).\n")
+    assert err.kind == "auth-refused" and f"the key {locked} has a passphrase and no ssh-agent holds it" in err.message
+    assert f"ssh-add {locked}" in err.hint
+    cluster = Cluster(hosts=(host,), ssh_options=(f"IdentityFile={plain}", "IdentitiesOnly=yes"))
+    err = SSHTransport(cluster, multiplex=False).failure(host, 255, "root@gpu1: Permission denied (publickey).\n")
+    assert err.message == "gpu1: authentication refused (no accepted key)"

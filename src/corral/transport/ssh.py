@@ -12,9 +12,12 @@ Host key checking is never turned off.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import re
+import struct
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,7 +155,70 @@ class SSHTransport:
         return self.base_argv(host) + ["--", command_line(remote)]
 
     def failure(self, host: Host, returncode: int, stderr: str) -> HostError:
-        return classify_ssh_failure(host, returncode, stderr)
+        err = classify_ssh_failure(host, returncode, stderr)
+        if err.kind == "auth-refused" and "Permission denied" in stderr:
+            locked = locked_keys(self.base_argv(host))
+            if locked:
+                keys = ", ".join(locked)
+                return HostError(
+                    host.name,
+                    f"authentication refused: the key {keys} has a passphrase and no ssh-agent holds it "
+                    "(corral's ssh runs in BatchMode: it never asks for one)",
+                    hint=f"load it into an agent once: `eval \"$(ssh-agent)\"; ssh-add {locked[0]}`, then run "
+                         "corral again from that shell (or give the cluster a key without a passphrase)",
+                    kind="auth-refused")
+        return err
+
+
+def locked_keys(argv: list[str]) -> list[str]:
+    """The identity files ``argv`` (an ssh command) would offer that have a
+    passphrase and are not in the running ssh-agent: BatchMode skips them, and
+    the server then says only "Permission denied"."""
+    words = [w for w in argv[1:] if w not in ("-T", "-x", "-a")]
+    try:
+        out = subprocess.run(["ssh", "-G", *words], capture_output=True, text=True, timeout=10,
+                             stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    files = [os.path.expanduser(line.split(None, 1)[1]) for line in out.splitlines()
+             if line.startswith("identityfile ") and len(line.split(None, 1)) == 2]
+    locked = [f for f in dict.fromkeys(files) if _has_passphrase(f)]
+    if locked and os.environ.get("SSH_AUTH_SOCK"):
+        held = _fingerprints(["ssh-add", "-l"])
+        locked = [f for f in locked if not held & _fingerprints(["ssh-keygen", "-lf", f + ".pub"])
+                  and (held == set() or os.path.exists(f + ".pub"))]
+    return locked
+
+
+def _has_passphrase(path: str) -> bool:
+    """Whether a private key file is encrypted (OpenSSH or PEM format)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(1 << 16).decode("ascii", "replace")
+    except OSError:
+        return False
+    if "ENCRYPTED" in text.split("\n\n", 1)[0]:  # PEM: Proc-Type: 4,ENCRYPTED / BEGIN ENCRYPTED
+        return True
+    m = re.search(r"-----BEGIN OPENSSH PRIVATE KEY-----(.*?)-----END", text, re.S)
+    if not m:
+        return False
+    try:
+        blob = base64.b64decode("".join(m.group(1).split()))
+    except ValueError:
+        return False
+    magic = b"openssh-key-v1\0"
+    if not blob.startswith(magic) or len(blob) < len(magic) + 4:
+        return False
+    (n,) = struct.unpack(">I", blob[len(magic):len(magic) + 4])
+    return blob[len(magic) + 4:len(magic) + 4 + n] != b"none"
+
+
+def _fingerprints(argv: list[str]) -> set[str]:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {line.split()[1] for line in out.splitlines() if len(line.split()) > 1}
 
 
 _RULES: list[tuple[str, str, str, str]] = [
