@@ -8,6 +8,7 @@ repository path, which the sandbox nodes see like an NFS home; /srv, /tmp and
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -532,6 +533,29 @@ def test_one_machine_under_two_names_is_refused_before_anything_starts(sandbox, 
     res = corral(sandbox, ["examples/train_ddp.py"], REPO, cluster=cluster, timeout=60)
     assert res.returncode == 3, res.stderr
     assert f"{twice} and {sandbox.addresses[twice]} are the same machine" in res.stderr, res.stderr
+    assert_clean(sandbox, within=5)
+
+
+def test_a_bashrc_that_execs_another_shell_is_named_at_once(sandbox, workdir: Path) -> None:
+    # `exec zsh` at the top of ~/.bashrc: the new shell reads corral's input as
+    # commands.  run waited 40 s ("no answer from the agent"), exec hung for
+    # good, sync said the interpreter was missing.
+    victim = sandbox.nodes[1]
+    bashrc = sandbox.exec(victim, ["cat", "/root/.bashrc"], check=True).stdout
+    sandbox.exec(victim, ["sh", "-c", "cat > /root/.bashrc"], input="exec /bin/sh\n" + bashrc, check=True)
+    try:
+        started = time.monotonic()
+        res = subprocess.run(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--json", "--", "echo hi"],
+                             capture_output=True, text=True, timeout=60)
+        rows = {r["host"]: r for r in json.loads(res.stdout)}
+        assert "a start-up file starts another shell" in rows[victim]["error"], rows[victim]
+        assert all(rows[n]["stdout"] == "hi\n" for n in sandbox.nodes if n != victim)
+        write(workdir / "ok.py", "print('ok')\n")
+        res = corral(sandbox, ["--launcher", "command", "ok.py"], workdir, timeout=60)
+        assert res.returncode == 3 and f"{victim}: its login shell did not run corral's command" in res.stderr
+        assert time.monotonic() - started < 20
+    finally:
+        sandbox.exec(victim, ["sh", "-c", "cat > /root/.bashrc"], input=bashrc, check=True)
     assert_clean(sandbox, within=5)
 
 

@@ -68,3 +68,16 @@ def test_a_key_with_a_passphrase_and_no_agent_is_named(tmp_path, monkeypatch) ->
     cluster = Cluster(hosts=(host,), ssh_options=(f"IdentityFile={plain}", "IdentitiesOnly=yes"))
     err = SSHTransport(cluster, multiplex=False).failure(host, 255, "root@gpu1: Permission denied (publickey).\n")
     assert err.message == "gpu1: authentication refused (no accepted key)"
+
+
+@pytest.mark.parametrize("said", [
+    "bash: line 1: 119476: command not found", "sh: 1: 119476: not found", "zsh: command not found: 119476",
+    "fish: Unknown command: 119476", "119476: Command not found."])
+def test_a_login_shell_replaced_by_another_is_named(said: str) -> None:
+    # `exec zsh` in ~/.bashrc: the command corral asked for never runs, and the
+    # new shell reads corral's input as commands.  sync said "cannot run the
+    # interpreter" (it was there); run waited 40 s for "no answer from the agent".
+    err = classify_ssh_failure(Host(name="gpu2"), 127, said + "\n")
+    assert err.kind == "login-shell" and "a start-up file starts another shell" in err.message
+    assert "`ssh gpu2 echo ok`" in err.hint
+    assert classify_ssh_failure(Host(name="gpu2"), 127, "bash: python3: command not found\n").kind == "no-python"

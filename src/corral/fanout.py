@@ -36,6 +36,7 @@ from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.transport import transport_for
 from corral.transport.base import Transport
+from corral.transport.ssh import shell_read_input
 
 #: One line, no newlines inside quotes and no "!" but ``$!``: safe under sh,
 #: bash, zsh and (non-interactive) csh login shells.  The command runs in the foreground,
@@ -68,6 +69,13 @@ WRAPPER = (
     "w=$!; exec 3<&- 4>&2 2>/dev/null; "
     '( exec 2>&4 4>&- </dev/null; exec "${SHELL:-/bin/sh}" -c "$1" ); r=$?; kill $w; wait $w; exit $r'
 )
+
+#: Written to the channel first.  The wrapper's watcher reads and drops it; a
+#: login shell that never ran the wrapper because a start-up file replaced it
+#: with another shell (`exec zsh` in ~/.bashrc) reads it as a command instead,
+#: says so and exits, rather than wait on the channel forever.
+STDIN_PROBE = b"echo corral-exec-stdin-probe; exit 97\n"
+STDIN_PROBE_SEEN = "corral-exec-stdin-probe"
 
 #: After a host's channel is closed (timeout, Ctrl-C), how long its wrapper
 #: gets (TERM, 2 s, KILL on the node) before the local ssh is killed.
@@ -158,6 +166,9 @@ class _Job:
                               hint="raise --timeout if the command is expected to take longer",
                               kind="timeout")
             return HostResult(host=name, returncode=124, stdout=stdout, stderr=stderr, error=error)
+        if rc == 97 and STDIN_PROBE_SEEN in stdout and not self.host.local:
+            return HostResult(host=name, returncode=255, stderr=stderr,
+                              error=shell_read_input(self.host, STDIN_PROBE_SEEN))
         if rc == 255 and not self.host.local:
             # ssh's own failure (the remote command's 255 is rare and reads the same).
             return HostResult(host=name, returncode=rc, stdout=stdout, stderr=stderr,
@@ -256,6 +267,12 @@ def _start(cluster: Cluster, host: Host, command: str, timeout: float | None,
         err = HostError(host.name, f"cannot run {argv[0]!r}: {e.strerror}")
         results[host.name] = HostResult(host=host.name, returncode=255, error=err)
         return None
+    if not host.local:
+        try:
+            proc.stdin.write(STDIN_PROBE)  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+        except OSError:
+            pass  # ssh already gone: its exit says why
     return _Job(host, transport, proc, timeout)
 
 

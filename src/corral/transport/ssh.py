@@ -286,6 +286,24 @@ def python_hint(host: Host) -> str:
             f"at one (now {host.python!r})")
 
 
+#: A shell that ran the first line corral wrote on stdin (a payload's length)
+#: as a command: bash, dash, zsh, fish and tcsh wordings.
+SHELL_READ_INPUT = re.compile(r"\b\d{4,}: (?:command )?not found|(?:command not found|Unknown command): \d{4,}\b"
+                              r"|\b\d{4,}: Command not found")
+
+
+def shell_read_input(host: Host, said: str) -> HostError:
+    """The login shell never ran corral's command but read corral's input
+    (stdin) as commands: a start-up file replaced it with another shell."""
+    return HostError(
+        host.name,
+        f"its login shell did not run corral's command: it read corral's input as commands ({said.strip()!r}); "
+        "a start-up file starts another shell in its place (`exec zsh` in ~/.bashrc, say)",
+        hint=f"let that line run only for interactive logins (`case $- in *i*) exec zsh;; esac`), or change "
+             f"the login shell with chsh; `ssh {host.name} echo ok` must print ok",
+        kind="login-shell")
+
+
 def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
     """Turn an ssh exit status and stderr into a named, hinted HostError."""
     text = stderr.strip()
@@ -293,6 +311,10 @@ def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
         for pattern, kind, message, hint in _RULES:
             if re.search(pattern, text):
                 return HostError(host.name, message, hint=hint.format(name=host.name), kind=kind)
+    ate = SHELL_READ_INPUT.search(text)
+    if ate:
+        line = next(ln for ln in text.splitlines() if SHELL_READ_INPUT.search(ln))
+        return shell_read_input(host, line)
     if returncode == 127 or re.search(r"(not found|No such file or directory)", text):
         return HostError(
             host.name,
