@@ -617,3 +617,9 @@ def test_a_login_shell_that_prints_is_named() -> None:
     assert found.hosts == HostSet.of(["node3"]) and "'Welcome to node3'" in found.message
     assert "case $- in *i*)" in found.hint
     assert findings(evidence(), "connectivity.login") == []
+    # The hint named bash's files on a node whose login shell is fish or tcsh.
+    data["facts"]["node3"]["shell"] = "/usr/bin/fish"
+    found = one(evidence(data), "connectivity.login", WARNING)
+    assert "~/.config/fish/config.fish inside `if status is-interactive`" in found.hint and "bashrc" not in found.hint
+    data["facts"]["node3"]["shell"] = "/bin/tcsh"
+    assert "if ($?prompt) then" in one(evidence(data), "connectivity.login", WARNING).hint

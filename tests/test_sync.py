@@ -310,6 +310,7 @@ def test_a_login_shell_that_prints_is_named_not_blamed_on_the_disk() -> None:
     err = failure(Host(name="gpu2"), 2, stderr)
     assert err.host == "gpu2" and "login shell there writes to stdout" in err.message
     assert "ssh gpu2 true" in err.hint and "~/.bashrc" in err.hint
+    assert "config.fish" in err.hint and "~/.cshrc" in err.hint  # rsync cannot tell which shell it is
     assert "free space" not in err.hint
     full = failure(Host(name="gpu2"), 11, "rsync: write failed on \"/srv/x\": No space left on device (28)\n"
                                            "rsync error: error in file IO (code 11) at receiver.c(381)")

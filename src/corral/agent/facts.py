@@ -100,6 +100,7 @@ def collect(workdir=None, peers=(), torch=True, torch_timeout=90.0, tmpdir=None)
     facts = {
         "host": None,  # the head fills in the cluster's name for this node
         "hostname": socket.gethostname(),
+        "shell": os.environ.get("SHELL"),  # the login shell: where start-up files are
         "fqdn": _quiet(socket.getfqdn, errors, "fqdn"),
         "os": _os_release(),
         "kernel": platform.release(),

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from corral.errors import HostError, UsageError
 from corral.model import Cluster, Host
-from corral.transport.ssh import SSHTransport, classify_ssh_failure
+from corral.transport.ssh import SSHTransport, classify_ssh_failure, quiet_login_hint
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +159,7 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
             host.name,
             f"rsync failed (exit {rc}): the login shell there writes to stdout, "
             "which garbles rsync's protocol (\"protocol version mismatch -- is your shell clean?\")",
-            hint=f"`ssh {host.name} true` must print nothing: move the output (an echo, a banner) in "
-                 "its ~/.bashrc, ~/.profile or /etc/bash.bashrc under `case $- in *i*)` "
-                 "(interactive shells only)",
+            hint=quiet_login_hint(host.name),
             kind="rsync",
         )
     lines = [

@@ -304,6 +304,28 @@ def shell_read_input(host: Host, said: str) -> HostError:
         kind="login-shell")
 
 
+#: Where each login shell reads its start-up files, and how a line there is
+#: kept to interactive logins.
+_STARTUP = {
+    "bash": ("~/.bashrc, ~/.profile or /etc/bash.bashrc", "under `case $- in *i*)`"),
+    "zsh": ("~/.zshenv or /etc/zsh/zshenv", "under `[[ -o interactive ]] &&`, or in ~/.zshrc"),
+    "fish": ("~/.config/fish/config.fish", "inside `if status is-interactive`"),
+    "tcsh": ("~/.tcshrc, ~/.cshrc or /etc/csh.cshrc", "inside `if ($?prompt) then`"),
+    "csh": ("~/.cshrc or /etc/csh.cshrc", "inside `if ($?prompt) then`"),
+}
+
+
+def quiet_login_hint(host: str, shell: str | None = None) -> str:
+    """How to keep a login shell from writing to stdout when it runs a command
+    (rsync and scp fail on that output); ``shell`` is its $SHELL when known."""
+    name = os.path.basename(shell or "")
+    files, how = _STARTUP.get(name, _STARTUP["bash"])
+    others = "" if shell else (" (~/.config/fish/config.fish for fish, ~/.cshrc for tcsh: "
+                               "inside `if status is-interactive` / `if ($?prompt) then`)")
+    return (f"`ssh {host} true` must print nothing: move that output (an echo, a banner) in its "
+            f"{files} {how}, so it is for interactive shells only{others}")
+
+
 def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
     """Turn an ssh exit status and stderr into a named, hinted HostError."""
     text = stderr.strip()
