@@ -603,6 +603,10 @@ def test_the_project_goes_to_the_cluster_files_workdir() -> None:
     shared = Cluster(hosts=(Host(name="a"), Host(name="b")), workdir="/srv/proj")
     assert with_cluster_workdir(shared, SyncOptions()).to == "/srv/proj"
     assert with_cluster_workdir(shared, SyncOptions(to="/elsewhere")).to == "/elsewhere"
+    # Named parts of the project too: `corral sync data/` sent data/ to the
+    # same path as here, and runs (in /srv/proj) read the stale copy.
+    named = with_cluster_workdir(shared, SyncOptions(paths=("data",)))
+    assert (named.to, named.project_to) == (None, "/srv/proj")
     mixed = Cluster(hosts=(Host(name="a"), Host(name="b", workdir="/srv/other")), workdir="/srv/proj")
     with pytest.raises(UsageError) as e:
         with_cluster_workdir(mixed, SyncOptions())
@@ -671,3 +675,13 @@ def test_a_destination_in_the_home_directory_reaches_every_node(sandbox, project
     finally:
         for node in sandbox.nodes:
             sandbox.exec(node, ["rm", "-rf", str(home / name)])
+
+
+def test_named_parts_of_the_project_go_to_its_destination_other_trees_keep_their_path(tmp_path: Path) -> None:
+    root = make_project(tmp_path / "p")
+    (tmp_path / "datasets").mkdir()
+    (tmp_path / "datasets" / "a.bin").write_bytes(b"x")
+    units = filelist.build_units(root, ("data", str(tmp_path / "datasets")), None, "/srv/proj")
+    assert [(u.dest, u.paths) for u in units] == [
+        ("/srv/proj", ("data/shard0.bin",)), (str(tmp_path), ("datasets/a.bin",))]
+    assert filelist.build_units(root, ("data",), "/x", "/srv/proj")[0].dest == "/x"

@@ -61,6 +61,9 @@ class SyncOptions:
     paths: tuple[str, ...] = ()
     #: Destination root on the nodes; None = the same path as here.
     to: str | None = None
+    #: Without ``to``: where named parts of the project go (the cluster file's
+    #: workdir); named trees outside the project keep their own path.
+    project_to: str | None = None
     delete: bool = False
     dry_run: bool = False
     #: Only compare (tree hashes, differing files); send nothing.
@@ -172,7 +175,7 @@ class Syncer:
     async def _run(self) -> SyncReport:
         t0 = time.monotonic()
         units = await asyncio.to_thread(
-            filelist.build_units, self.cwd, self.options.paths, self.options.to
+            filelist.build_units, self.cwd, self.options.paths, self.options.to, self.options.project_to
         )
         log.debug("%.2fs: file list (%d unit(s))", time.monotonic() - t0, len(units))
         hosts = [h for h in self.cluster.hosts if not self._is_source(h, units)]
