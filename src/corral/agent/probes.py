@@ -112,6 +112,16 @@ def hostname_addresses(hostname=None) -> list:
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 
+def _hostname_addresses_quickly(seconds=2.0):
+    """``hostname_addresses()``, or None when the resolver takes longer (a DNS
+    server that does not answer): preflight must not wait on it."""
+    out = []
+    worker = threading.Thread(target=lambda: out.append(hostname_addresses()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return out[0] if out else None
+
+
 def _importable(name: str) -> bool:
     import importlib.util
 
@@ -217,7 +227,7 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
     --env): the GPUs counted are the ones its ranks will see."""
     result = {
         "hostname": socket.gethostname(),
-        "hostname_addresses": hostname_addresses(),
+        "hostname_addresses": _hostname_addresses_quickly(),
         "machine": machine_identity(),
         "python": sys.version.split()[0],
         "executable": sys.executable,
