@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the system tools corral's tests drive for real: OpenSSH (client and
 # server, one sshd per sandbox node), rsync, iproute2 (ip, tc), pdsh (the
-# anchor DeepSpeed's launcher uses), iperf3 (bench), procps.
+# anchor DeepSpeed's launcher uses), iperf3 (bench), procps, and the login
+# shells nodes have besides bash (zsh, fish, tcsh: remote command lines).
 # Idempotent: only installs what is missing.  Needs root (or sudo) and apt.
 set -euo pipefail
 need=()
@@ -13,6 +14,7 @@ command -v tc >/dev/null 2>&1 || [ -x /usr/sbin/tc ] || need+=(iproute2)
 command -v pdsh >/dev/null 2>&1 || need+=(pdsh)
 command -v iperf3 >/dev/null 2>&1 || need+=(iperf3)
 command -v ps >/dev/null 2>&1 || need+=(procps)
+for sh in zsh fish tcsh; do command -v $sh >/dev/null 2>&1 || need+=($sh); done
 command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need+=(iptables)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

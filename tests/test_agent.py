@@ -557,3 +557,139 @@ def test_a_temp_dir_python_fell_back_to_is_named() -> None:
     assert tmp_fallback_note("/tmp", {}, {}) is None
     assert tmp_fallback_note("/scratch/job1", {}, {"TMPDIR": "/scratch/job1"}) is None  # chosen, not a fallback
     assert tmp_fallback_note("/scratch/x", {"TMPDIR": "/scratch/x"}, {}) is None
+
+
+# ---- the node's own Python: 3.8 and up run the agent, older ones are named ----------------
+
+def _node_side_sources() -> dict[str, str]:
+    """Every file that runs on a node's interpreter, not the head's."""
+    from importlib import resources
+
+    from corral.agent.bundle import NODE_MODULES, PRELOAD_MODULES
+
+    pkg = resources.files("corral")
+    files = [f"agent/{f}" for f in {**NODE_MODULES, **PRELOAD_MODULES}.values()]
+    files += ["agent/hook/sitecustomize.py", "sshsetup/nodeside.py", "sync/nodetree.py",
+              "workloads/smoke_allreduce.py", "workloads/allreduce_perf.py"]
+    return {f: pkg.joinpath(f).read_text() for f in files}
+
+
+def test_node_side_code_is_python_38() -> None:
+    # A node's python3 may be 3.8 (Ubuntu 20.04).  `def f() -> str | None` in a
+    # module without postponed annotations raised TypeError there as the agent
+    # started: doctor said "not reachable: ssh failed: TypeError: unsupported
+    # operand type(s) for |".
+    import ast
+
+    for name, source in _node_side_sources().items():
+        tree = ast.parse(source, name, feature_version=(3, 8))
+        if any(isinstance(n, ast.ImportFrom) and n.module == "__future__"
+               and any(a.name == "annotations" for a in n.names) for n in tree.body):
+            continue
+        for node in ast.walk(tree):
+            notes = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                notes = [a.annotation for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
+                                                node.args.vararg, node.args.kwarg) if a is not None]
+                notes.append(node.returns)
+            elif isinstance(node, ast.AnnAssign):
+                notes = [node.annotation]
+            for note in filter(None, notes):
+                for part in ast.walk(note):
+                    newer = isinstance(part, ast.BinOp) and isinstance(part.op, ast.BitOr) or (
+                        isinstance(part, ast.Subscript) and isinstance(part.value, ast.Name)
+                        and part.value.id in ("list", "dict", "tuple", "set", "frozenset", "type"))
+                    assert not newer, (f"{name}:{note.lineno}: {ast.unparse(note)} is evaluated at "
+                                       f"definition time: Python 3.8 cannot (add `from __future__ import annotations`)")
+
+
+def _pythons(*versions: str) -> list[str]:
+    """Interpreters of these versions found on this machine (PATH, pyenv)."""
+    import glob
+    import shutil
+
+    found = []
+    for v in versions:
+        pyenv = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{v}.*/bin/python{v}")))
+        path = pyenv[0] if pyenv else shutil.which(f"python{v}")
+        if path:
+            found.append(path)
+    return found
+
+
+@pytest.mark.parametrize("python", _pythons("3.8", "3.9") or [None])
+def test_the_agent_runs_on_the_oldest_pythons_it_supports(python: str | None, tmp_path) -> None:
+    if python is None:
+        pytest.skip("no Python 3.8 or 3.9 on this machine")
+    events: list[dict] = []
+
+    async def main() -> None:
+        pool = AgentPool(Cluster(hosts=(Host(name="old", local=True, python=python),)), tag="t",
+                         on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            s = pool.sessions[0]
+            probe = await s.call("probes.preflight", workdir=str(tmp_path), paths=["x.py"], want_port=True)
+            assert probe["missing"] == ["x.py"]
+            await start(s, [python, "-c", "import sys; print(sys.version_info[:2])"], tmp_path)
+            await until_exit(events, 10.0)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert any(e.get("ev") == "exit" and e.get("code") == 0 for e in events), events
+
+
+@pytest.mark.parametrize("python", _pythons("2.7", "3.6", "3.7") or [None])
+def test_a_python_too_old_for_the_agent_is_named_with_the_fix(python: str | None) -> None:
+    # Python 2 (CentOS 7's `python`) failed with "ssh failed: AttributeError:
+    # 'file' object has no attribute 'buffer'"; 3.6/3.7 were named without
+    # saying what to do.
+    from corral.errors import PreflightError
+    from corral.sshsetup.remote import call_node, gather_hosts, remote_command
+
+    if python is None:
+        pytest.skip("no Python older than 3.8 on this machine")
+    host = Host(name="old", local=True, python=python)
+
+    async def agent() -> None:
+        await AgentPool(Cluster(hosts=(host,)), tag="t").open()
+
+    with pytest.raises(PreflightError) as info:
+        asyncio.run(agent())
+    [err] = info.value.problems
+    version = subprocess.run([python, "-c", "import sys; print(sys.version.split()[0])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert err.message == f"old: corral needs Python 3.8+ on the node, found {version}"
+    assert err.hint and "install Python 3.8+ on old" in err.hint and python in err.hint
+
+    async def one_shot() -> list:
+        work = lambda h: call_node(h, remote_command(h.python), "m", "def f():\n    return 1\n", "f", {})  # noqa: E731
+        return (await gather_hosts([host], work))[1]
+
+    [err] = asyncio.run(one_shot())
+    assert f"found {version}" in err.message and err.hint and python in err.hint
+
+
+def test_a_work_directory_in_the_home_directory_is_the_nodes_own(tmp_path, monkeypatch) -> None:
+    # `workdir = "~/proj"` is accepted (homes differ between nodes), but the
+    # agent took it literally: "working directory ~/proj does not exist".
+    home = tmp_path / "home"
+    (home / "proj").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    events: list[dict] = []
+
+    async def main() -> None:
+        pool = AgentPool(_local(), tag="t", on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            s = pool.sessions[0]
+            probe = await s.call("probes.preflight", workdir="~/proj", paths=["x.py"])
+            assert probe["workdir"]["exists"] and probe["missing"] == ["x.py"]
+            await start(s, [sys.executable, "-c", "import os; open('here', 'w').write(os.getcwd())"], "~/proj")
+            await until_exit(events, 10.0)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert (home / "proj" / "here").read_text() == str(home / "proj")

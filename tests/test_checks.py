@@ -363,11 +363,24 @@ def test_nccl_default_prefers_ib_then_anything_but_docker_and_lo() -> None:
 
 
 def test_hostname_resolving_to_loopback_breaks_gloo() -> None:
+    # A warning, not an error (which skipped the smoke test): corral run sets
+    # GLOO_SOCKET_IFNAME on such a node by itself; other launchers do not.
     data = recorded()
     data["facts"]["node2"]["resolve"]["node2"] = ["127.0.1.1"]
     ev = evidence(data)
-    found = one(ev, "network.hostname", ERROR)
+    found = one(ev, "network.hostname", WARNING)
     assert found.hosts == HostSet.of(["node2"]) and "GLOO_SOCKET_IFNAME=eth0" in found.hint
+    assert "`corral run` sets GLOO_SOCKET_IFNAME" in found.message
+    # Said once: node2 naming itself 127.0.1.1 is not also "node2 resolves differently" (an error).
+    assert [f.severity for f in findings(ev, "network.resolve")] == [OK]
+    # Above its real line too: gloo takes the first address getaddrinfo gives.
+    data["facts"]["node2"]["resolve"]["node2"] = ["10.204.62.12", "127.0.1.1"]
+    data["facts"]["node2"]["hostname_addresses"] = ["127.0.1.1", "10.204.62.12"]
+    ev = evidence(data)
+    assert "resolves to 127.0.1.1 (loopback) first" in one(ev, "network.hostname", WARNING).message
+    assert [f.severity for f in findings(ev, "network.resolve")] == [OK]
+    data["facts"]["node2"]["hostname_addresses"] = ["10.204.62.12", "127.0.1.1"]
+    assert findings(evidence(data), "network.hostname") == []
     data["env"]["node2"]["GLOO_SOCKET_IFNAME"] = "eth0"
     assert findings(evidence(data), "network.hostname") == []
 
@@ -604,3 +617,9 @@ def test_a_login_shell_that_prints_is_named() -> None:
     assert found.hosts == HostSet.of(["node3"]) and "'Welcome to node3'" in found.message
     assert "case $- in *i*)" in found.hint
     assert findings(evidence(), "connectivity.login") == []
+    # The hint named bash's files on a node whose login shell is fish or tcsh.
+    data["facts"]["node3"]["shell"] = "/usr/bin/fish"
+    found = one(evidence(data), "connectivity.login", WARNING)
+    assert "~/.config/fish/config.fish inside `if status is-interactive`" in found.hint and "bashrc" not in found.hint
+    data["facts"]["node3"]["shell"] = "/bin/tcsh"
+    assert "if ($?prompt) then" in one(evidence(data), "connectivity.login", WARNING).hint

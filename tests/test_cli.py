@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -169,3 +171,14 @@ def test_an_error_under_json_is_json_on_stdout_too(tmp_path: Path) -> None:
     # without --json, stdout stays empty
     res = CliRunner().invoke(cli, ["stacks", "--runs-dir", str(tmp_path / "runs")])
     assert res.exit_code == 2 and not res.stdout.strip()
+
+
+def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback(tmp_path) -> None:
+    # A head in a latin-1 locale (or PYTHONIOENCODING=ascii): `corral exec`
+    # ended in a UnicodeEncodeError traceback on a node's CJK output, and
+    # `corral run` dropped the ranks' lines with "failed to handle an event".
+    env = dict(os.environ, PYTHONIOENCODING="ascii")
+    res = subprocess.run([sys.executable, "-m", "corral", "exec", "--", "echo '日本 é'"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, encoding="ascii", errors="strict", timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    assert "\\u65e5\\u672c \\xe9" in res.stdout and "Traceback" not in res.stderr

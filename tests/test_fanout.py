@@ -271,3 +271,36 @@ def test_sshs_fallback_when_a_node_refuses_another_session_is_not_output() -> No
     assert res.returncode == 0
     assert res.stdout == "out\n" and res.stderr == "a real error\n"
     assert sorted(seen) == [("err", "a real error"), ("out", "out")]
+
+
+@pytest.mark.parametrize("shell", ["dash", "bash", "zsh", "fish", "tcsh"])
+def test_a_command_reaches_any_login_shell_as_under_ssh(shell: str) -> None:
+    # sshd runs the line with the node user's login shell, `$SHELL -c LINE`;
+    # the wrapper then runs the command with it again.  A multi-line command
+    # failed on a tcsh node ("Unmatched '''."; csh takes no newline inside
+    # quotes), and fish halved the backslashes inside single quotes: what the
+    # command ran was not what `ssh host CMD` runs.
+    import shutil
+
+    from corral.fanout import remote_argv
+    from corral.model import Cluster, Host
+    from corral.transport.ssh import SSHTransport
+
+    path = shutil.which(shell)
+    if path is None:
+        pytest.skip(f"{shell} is not installed")
+    command = "echo one\nprintf '%s|' 'a\\\\\\\\b' 'c\\d' \"it's\"\n\necho two\n"
+    cluster = Cluster(hosts=(Host(name="gpu1"),))
+    line = SSHTransport(cluster, multiplex=False).argv(cluster.hosts[0], remote_argv(command))[-1]
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8", "SHELL": path}
+
+    def login(cmd: str) -> tuple[int, str, str]:
+        proc = subprocess.Popen([path, "-c", cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        out, err = proc.stdout.read(), proc.stderr.read()  # type: ignore[union-attr]
+        proc.stdin.close()  # type: ignore[union-attr]  # the channel stays open while the command runs
+        return proc.wait(10), out, err
+
+    under_ssh = login(command)
+    assert under_ssh[0] == 0 and under_ssh[1].startswith("one\n") and under_ssh[1].endswith("two\n")
+    assert login(line) == under_ssh

@@ -8,6 +8,7 @@ repository path, which the sandbox nodes see like an NFS home; /srv, /tmp and
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -491,6 +492,70 @@ def test_bad_socket_ifname_on_one_node_is_diagnosed_live(sandbox, tmp_path: Path
     assert f"on {victim} failed: RuntimeError" in res.stderr and "nosuch0" in res.stderr
     assert "Likely cause:" in res.stderr and "GLOO_SOCKET_IFNAME" in res.stderr
     assert re.search(rf"Fix: {victim} has no usable interface named 'nosuch0'", res.stderr), res.stderr[-2000:]
+    assert_clean(sandbox, within=5)
+
+
+def test_a_node_whose_host_name_is_127_0_1_1_still_runs_gloo(sandbox, workdir: Path) -> None:
+    # Debian's /etc/hosts names the host 127.0.1.1 (here above its real line,
+    # as DNS or cloud-init add it).  gloo advertises the first address to the
+    # other nodes: "Gloo connectFullMesh failed ... Connection refused,
+    # remote=[127.0.1.1]" whenever that node is not node 0.
+    victim = sandbox.nodes[-1]
+    hosts = sandbox.exec(victim, ["cat", "/etc/hosts"], check=True).stdout
+    debian = f"127.0.1.1\t{victim}\n" + hosts
+    sandbox.exec(victim, ["sh", "-c", "cat > /etc/hosts"], input=debian, check=True)  # in place: a bind mount
+    try:
+        assert sandbox.exec(victim, ["getent", "hosts", victim]).stdout.split()[0] == "127.0.1.1"
+        write(workdir / "ar.py", """
+            import torch, torch.distributed as dist
+            dist.init_process_group("gloo")
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            print("sum", int(t.item()), flush=True)
+        """)
+        res = corral(sandbox, ["ar.py"], workdir, timeout=120)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.count(f"sum {2 * len(sandbox.nodes)}") == 2 * len(sandbox.nodes)
+        assert f"{victim}'s host name '{victim}' resolves to 127.0.1.1: its ranks get GLOO_SOCKET_IFNAME=eth0" \
+            in res.stderr
+    finally:
+        sandbox.exec(victim, ["sh", "-c", "cat > /etc/hosts"], input=hosts, check=True)
+    assert_clean(sandbox, within=5)
+
+
+def test_one_machine_under_two_names_is_refused_before_anything_starts(sandbox, tmp_path: Path) -> None:
+    # A node by name and again by IP address: two torchruns on one machine
+    # (the same GPUs), sharing one job directory; its ranks' lines were shown
+    # under the other entry's name.
+    twice = sandbox.nodes[1]
+    cluster = tmp_path / "corral.toml"
+    cluster.write_text(sandbox.cluster_file.read_text() + f'\n[[hosts]]\nname = "{sandbox.addresses[twice]}"\n')
+    res = corral(sandbox, ["examples/train_ddp.py"], REPO, cluster=cluster, timeout=60)
+    assert res.returncode == 3, res.stderr
+    assert f"{twice} and {sandbox.addresses[twice]} are the same machine" in res.stderr, res.stderr
+    assert_clean(sandbox, within=5)
+
+
+def test_a_bashrc_that_execs_another_shell_is_named_at_once(sandbox, workdir: Path) -> None:
+    # `exec zsh` at the top of ~/.bashrc: the new shell reads corral's input as
+    # commands.  run waited 40 s ("no answer from the agent"), exec hung for
+    # good, sync said the interpreter was missing.
+    victim = sandbox.nodes[1]
+    bashrc = sandbox.exec(victim, ["cat", "/root/.bashrc"], check=True).stdout
+    sandbox.exec(victim, ["sh", "-c", "cat > /root/.bashrc"], input="exec /bin/sh\n" + bashrc, check=True)
+    try:
+        started = time.monotonic()
+        res = subprocess.run(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--json", "--", "echo hi"],
+                             capture_output=True, text=True, timeout=60)
+        rows = {r["host"]: r for r in json.loads(res.stdout)}
+        assert "a start-up file starts another shell" in rows[victim]["error"], rows[victim]
+        assert all(rows[n]["stdout"] == "hi\n" for n in sandbox.nodes if n != victim)
+        write(workdir / "ok.py", "print('ok')\n")
+        res = corral(sandbox, ["--launcher", "command", "ok.py"], workdir, timeout=60)
+        assert res.returncode == 3 and f"{victim}: its login shell did not run corral's command" in res.stderr
+        assert time.monotonic() - started < 20
+    finally:
+        sandbox.exec(victim, ["sh", "-c", "cat > /root/.bashrc"], input=bashrc, check=True)
     assert_clean(sandbox, within=5)
 
 

@@ -180,3 +180,13 @@ def test_env_flags() -> None:
         RunSpec(program="t.py", env={"MASTER_ADDR": "x"})
     with pytest.raises(UsageError, match="--launcher"):
         RunSpec(program="t.py", launcher="mpirun")
+
+
+def test_a_node_whose_name_is_loopback_gets_gloos_interface_unless_the_job_sets_one() -> None:
+    facts = {"node1": NodeFacts(), "node2": NodeFacts(gloo_ifname="eth0")}
+    p = plan(RunSpec(program="train.py", run_id="r1"), facts=facts)
+    assert "GLOO_SOCKET_IFNAME" not in p.nodes[0].env and p.nodes[1].env["GLOO_SOCKET_IFNAME"] == "eth0"
+    mine = plan(RunSpec(program="train.py", run_id="r1", env={"GLOO_SOCKET_IFNAME": "ib0"}), facts=facts)
+    assert mine.nodes[1].env["GLOO_SOCKET_IFNAME"] == "ib0"
+    here = plan(RunSpec(program="train.py", run_id="r1"), facts=facts, head_env={"GLOO_SOCKET_IFNAME": "bond0"})
+    assert here.nodes[1].env["GLOO_SOCKET_IFNAME"] == "bond0"

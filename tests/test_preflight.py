@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from corral.agent.probes import dir_identity, fstype
@@ -53,3 +54,43 @@ def test_a_workdir_that_is_a_link_to_nowhere_says_so(tmp_path: Path) -> None:
     wd = preflight(workdir=str(link))["workdir"]
     assert wd["exists"] is False and wd["link_to"] == str(tmp_path / "gone")
     assert "link_to" not in preflight(workdir=str(tmp_path / "missing"))["workdir"]
+
+
+def test_a_node_whose_host_name_is_loopback_is_given_gloos_interface() -> None:
+    # Debian writes `127.0.1.1 <hostname>` to /etc/hosts: gloo advertises that
+    # to the other nodes, whose ranks then fail with "connectFullMesh failed
+    # ... Connection refused, remote=[127.0.1.1]" (only when it is not node 0).
+    from corral.preflight import gloo_interface
+
+    addresses = [{"name": "eth0", "address": "10.0.0.3", "prefix": 24},
+                 {"name": "ib0", "address": "10.1.0.3", "prefix": 16}]
+    debian = {"hostname_addresses": ["127.0.1.1"], "addresses": addresses, "env": {}}
+    assert gloo_interface(debian, "10.0.0.3") == "eth0"
+    assert gloo_interface(debian, "10.1.0.3") == "ib0"  # the rendezvous network's
+    assert gloo_interface(dict(debian, hostname_addresses=[]), "10.0.0.3") == "eth0"  # gloo: 127.0.0.1
+    assert gloo_interface(dict(debian, hostname_addresses=["10.0.0.3"]), "10.0.0.3") is None
+    # gloo takes the first address: the 127.0.1.1 line above the real one breaks it too
+    assert gloo_interface(dict(debian, hostname_addresses=["127.0.1.1", "10.0.0.3"]), "10.0.0.3") == "eth0"
+    assert gloo_interface(dict(debian, hostname_addresses=["10.0.0.3", "127.0.1.1"]), "10.0.0.3") is None
+    assert gloo_interface(dict(debian, env={"GLOO_SOCKET_IFNAME": "eth0"}), "10.0.0.3") is None
+
+
+def test_one_machine_listed_under_two_names_is_refused() -> None:
+    # `gpu2` and its IP address in one hostfile: two agents, two torchruns on
+    # the same GPUs, one job directory; the ranks' output was even attributed
+    # to the wrong entry.
+    from corral.preflight import same_machine
+
+    probes = {"gpu1": {"machine": ["boot-a", 1]}, "10.0.0.2": {"machine": ["boot-b", 1]},
+              "gpu2": {"machine": ["boot-b", 1]}, "gpu3": {"machine": ["boot-b", 2]}, "old": {}}
+    [err] = same_machine(probes)
+    assert err.host == "10.0.0.2" and "10.0.0.2 and gpu2 are the same machine" in err.message
+    assert "list each machine once" in err.hint
+    assert same_machine({"a": {"machine": ["x", 1]}, "b": {"machine": ["x", 2]}}) == []  # containers
+
+
+def test_the_probe_says_which_machine_it_is() -> None:
+    from corral.agent.probes import machine_identity
+
+    boot, netns = machine_identity()
+    assert len(boot) == 36 and netns == os.stat("/proc/self/ns/net").st_ino

@@ -310,6 +310,7 @@ def test_a_login_shell_that_prints_is_named_not_blamed_on_the_disk() -> None:
     err = failure(Host(name="gpu2"), 2, stderr)
     assert err.host == "gpu2" and "login shell there writes to stdout" in err.message
     assert "ssh gpu2 true" in err.hint and "~/.bashrc" in err.hint
+    assert "config.fish" in err.hint and "~/.cshrc" in err.hint  # rsync cannot tell which shell it is
     assert "free space" not in err.hint
     full = failure(Host(name="gpu2"), 11, "rsync: write failed on \"/srv/x\": No space left on device (28)\n"
                                            "rsync error: error in file IO (code 11) at receiver.c(381)")
@@ -602,6 +603,10 @@ def test_the_project_goes_to_the_cluster_files_workdir() -> None:
     shared = Cluster(hosts=(Host(name="a"), Host(name="b")), workdir="/srv/proj")
     assert with_cluster_workdir(shared, SyncOptions()).to == "/srv/proj"
     assert with_cluster_workdir(shared, SyncOptions(to="/elsewhere")).to == "/elsewhere"
+    # Named parts of the project too: `corral sync data/` sent data/ to the
+    # same path as here, and runs (in /srv/proj) read the stale copy.
+    named = with_cluster_workdir(shared, SyncOptions(paths=("data",)))
+    assert (named.to, named.project_to) == (None, "/srv/proj")
     mixed = Cluster(hosts=(Host(name="a"), Host(name="b", workdir="/srv/other")), workdir="/srv/proj")
     with pytest.raises(UsageError) as e:
         with_cluster_workdir(mixed, SyncOptions())
@@ -642,3 +647,42 @@ def test_a_stat_cache_that_cannot_be_written_leaves_no_half_written_file(tmp_pat
     monkeypatch.setattr(nodetree.json, "dump", full)
     nodetree.save_cache(str(tmp_path / "proj"), {"a": [1, 2]})
     assert list((tmp_path / ".cache" / "corral" / "sync").iterdir()) == []
+
+
+def test_a_destination_in_the_home_directory_is_each_nodes_own(tmp_path: Path) -> None:
+    # `workdir = "~/proj"` (homes differ between nodes: /home/ubuntu, /root)
+    # is accepted by the cluster file and `corral run`, but sync refused it
+    # ("--to '~/proj': give an absolute path") and, on a node, rsync wrote to
+    # a literal `~` (it gets the path through its protocol, not a shell).
+    root = make_project(tmp_path / "p")
+    res = subprocess.run([*CORRAL, "sync", "--to", "~/proj", "--json"], cwd=root,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert _tree(Path.home() / "proj") == {k: v for k, v in _tree(root).items() if k in EXPECTED}
+    assert not (root / "~").exists() and not (tmp_path / "~").exists()
+
+
+@pytest.mark.sandbox
+def test_a_destination_in_the_home_directory_reaches_every_node(sandbox, tmp_path: Path) -> None:
+    project = make_project(tmp_path / "proj")
+    name = f"corral-test-home-{os.getpid()}"
+    home = Path(sandbox.exec(sandbox.nodes[0], ["sh", "-c", "echo ~"], check=True).stdout.strip())
+    try:
+        res = corral_sync(project, sandbox.cluster_file, "--to", f"~/{name}", "--json")
+        assert res.returncode == 0, res.stderr
+        want = _expected(project, EXPECTED)
+        for node in sandbox.nodes:
+            assert node_tree(sandbox, node, home / name) == want, node
+    finally:
+        for node in sandbox.nodes:
+            sandbox.exec(node, ["rm", "-rf", str(home / name)])
+
+
+def test_named_parts_of_the_project_go_to_its_destination_other_trees_keep_their_path(tmp_path: Path) -> None:
+    root = make_project(tmp_path / "p")
+    (tmp_path / "datasets").mkdir()
+    (tmp_path / "datasets" / "a.bin").write_bytes(b"x")
+    units = filelist.build_units(root, ("data", str(tmp_path / "datasets")), None, "/srv/proj")
+    assert [(u.dest, u.paths) for u in units] == [
+        ("/srv/proj", ("data/shard0.bin",)), (str(tmp_path), ("datasets/a.bin",))]
+    assert filelist.build_units(root, ("data",), "/x", "/srv/proj")[0].dest == "/x"

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from corral.model import Host
-from corral.transport.ssh import classify_ssh_failure
+import shutil
+import subprocess
+
+import pytest
+
+from corral.model import Cluster, Host
+from corral.transport.ssh import SSHTransport, classify_ssh_failure
 
 
 def test_an_ssh_that_ends_without_a_word_is_explained() -> None:
@@ -13,3 +18,66 @@ def test_an_ssh_that_ends_without_a_word_is_explained() -> None:
     assert "connection closed while the command ran" in err.message
     assert "went down or rebooted" in err.hint and "`ssh gpu2 true`" in err.hint
     assert classify_ssh_failure(Host(name="gpu2"), 255, "boom").message == "gpu2: ssh failed: boom"
+
+
+# ---- what the login shell on a node reads -------------------------------------------------
+
+#: Words that mean something to one login shell or another inside or around quotes.
+NASTY = ["plain", "two words", "it's", 'say "hi"', "a\\b", "a\\\\\\\\b", "back\\'slash", "hi!",
+         "a!b", "!x", "$HOME", "`id`", "$(id)", "~", "*", "{a,b}", "%1", "=1", "=-", "x=1", "^a^b",
+         "#c", "a;b", "a|b", "tab\there", "ü日本", "", "'", "\\", "-n"]
+LOGIN_SHELLS = ["sh", "dash", "bash", "zsh", "fish", "tcsh", "csh"]
+
+
+@pytest.mark.parametrize("shell", LOGIN_SHELLS)
+def test_every_word_reaches_the_node_intact_whatever_its_login_shell(shell: str) -> None:
+    # sshd runs the command line as `$SHELL -c LINE` with the user's login
+    # shell.  shlex.quote is POSIX-only: fish reads \\ and \' inside single
+    # quotes as escapes (a node whose login shell is fish got a\b for a\\b),
+    # csh expands ! inside them ("b: Event not found.").
+    path = shutil.which(shell)
+    if path is None:
+        pytest.skip(f"{shell} is not installed")
+    cluster = Cluster(hosts=(Host(name="gpu1"),))
+    line = SSHTransport(cluster, multiplex=False).argv(cluster.hosts[0], ["printf", "[%s]\\n", *NASTY])[-1]
+    res = subprocess.run([path, "-c", line], check=False, capture_output=True, text=True, timeout=30,
+                         env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8"})
+    assert res.stdout == "".join(f"[{w}]\n" for w in NASTY), res.stderr
+
+
+def test_a_key_with_a_passphrase_and_no_agent_is_named(tmp_path, monkeypatch) -> None:
+    # BatchMode skips a key it would have to ask a passphrase for, and the
+    # server then says only "Permission denied": corral's hint was to install
+    # the key, which was installed.
+    if shutil.which("ssh-keygen") is None:
+        pytest.skip("no ssh-keygen")
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    locked, pem, plain = tmp_path / "locked", tmp_path / "pem", tmp_path / "plain"
+    for path, extra in ((locked, ["-N", "secret"]), (pem, ["-N", "secret", "-m", "PEM", "-t", "rsa", "-b", "1024"]),
+                        (plain, ["-N", ""])):
+        subprocess.run(["ssh-keygen", "-q", "-f", str(path), *(extra if "-t" in extra else ["-t", "ed25519", *extra])],
+                       check=True, capture_output=True)
+    from corral.transport.ssh import _has_passphrase
+
+    assert _has_passphrase(str(locked)) and _has_passphrase(str(pem)) and not _has_passphrase(str(plain))
+    host = Host(name="gpu1")
+    cluster = Cluster(hosts=(host,), ssh_options=(f"IdentityFile={locked}", "IdentitiesOnly=yes"))
+    err = SSHTransport(cluster, multiplex=False).failure(host, 255, "root@gpu1: Permission denied (publickey).\n")
+    assert err.kind == "auth-refused" and f"the key {locked} has a passphrase and no ssh-agent holds it" in err.message
+    assert f"ssh-add {locked}" in err.hint
+    cluster = Cluster(hosts=(host,), ssh_options=(f"IdentityFile={plain}", "IdentitiesOnly=yes"))
+    err = SSHTransport(cluster, multiplex=False).failure(host, 255, "root@gpu1: Permission denied (publickey).\n")
+    assert err.message == "gpu1: authentication refused (no accepted key)"
+
+
+@pytest.mark.parametrize("said", [
+    "bash: line 1: 119476: command not found", "sh: 1: 119476: not found", "zsh: command not found: 119476",
+    "fish: Unknown command: 119476", "119476: Command not found."])
+def test_a_login_shell_replaced_by_another_is_named(said: str) -> None:
+    # `exec zsh` in ~/.bashrc: the command corral asked for never runs, and the
+    # new shell reads corral's input as commands.  sync said "cannot run the
+    # interpreter" (it was there); run waited 40 s for "no answer from the agent".
+    err = classify_ssh_failure(Host(name="gpu2"), 127, said + "\n")
+    assert err.kind == "login-shell" and "a start-up file starts another shell" in err.message
+    assert "`ssh gpu2 echo ok`" in err.hint
+    assert classify_ssh_failure(Host(name="gpu2"), 127, "bash: python3: command not found\n").kind == "no-python"

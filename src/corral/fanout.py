@@ -36,6 +36,7 @@ from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.transport import transport_for
 from corral.transport.base import Transport
+from corral.transport.ssh import shell_read_input
 
 #: One line, no newlines inside quotes and no "!" but ``$!``: safe under sh,
 #: bash, zsh and (non-interactive) csh login shells.  The command runs in the foreground,
@@ -69,6 +70,13 @@ WRAPPER = (
     '( exec 2>&4 4>&- </dev/null; exec "${SHELL:-/bin/sh}" -c "$1" ); r=$?; kill $w; wait $w; exit $r'
 )
 
+#: Written to the channel first.  The wrapper's watcher reads and drops it; a
+#: login shell that never ran the wrapper because a start-up file replaced it
+#: with another shell (`exec zsh` in ~/.bashrc) reads it as a command instead,
+#: says so and exits, rather than wait on the channel forever.
+STDIN_PROBE = b"echo corral-exec-stdin-probe; exit 97\n"
+STDIN_PROBE_SEEN = "corral-exec-stdin-probe"
+
 #: After a host's channel is closed (timeout, Ctrl-C), how long its wrapper
 #: gets (TERM, 2 s, KILL on the node) before the local ssh is killed.
 CLOSE_GRACE_S = 5.0
@@ -90,7 +98,18 @@ class HostResult:
         return self.error is None and self.returncode == 0
 
 
+#: Put in front of the wrapper for a command with a newline, which travels as
+#: ``printf %b`` text (``\n`` for a newline, ``\\`` for a backslash): a csh
+#: login shell refuses a newline inside quotes and drops it outside, so
+#: ``ssh host CMD`` works there (csh runs the lines) but a quoted word with
+#: one does not.  The ``.`` keeps the command's trailing newlines.
+_DECODE = "set -- \"$(printf '%b.' \"$1\")\"; set -- \"${1%.}\"; "
+
+
 def remote_argv(command: str) -> list[str]:
+    if "\n" in command:
+        encoded = command.replace("\\", "\\\\").replace("\n", "\\n")
+        return ["sh", "-c", _DECODE + WRAPPER, "corral-exec", encoded]
     return ["sh", "-c", WRAPPER, "corral-exec", command]
 
 
@@ -147,6 +166,9 @@ class _Job:
                               hint="raise --timeout if the command is expected to take longer",
                               kind="timeout")
             return HostResult(host=name, returncode=124, stdout=stdout, stderr=stderr, error=error)
+        if rc == 97 and STDIN_PROBE_SEEN in stdout and not self.host.local:
+            return HostResult(host=name, returncode=255, stderr=stderr,
+                              error=shell_read_input(self.host, STDIN_PROBE_SEEN))
         if rc == 255 and not self.host.local:
             # ssh's own failure (the remote command's 255 is rare and reads the same).
             return HostResult(host=name, returncode=rc, stdout=stdout, stderr=stderr,
@@ -245,6 +267,12 @@ def _start(cluster: Cluster, host: Host, command: str, timeout: float | None,
         err = HostError(host.name, f"cannot run {argv[0]!r}: {e.strerror}")
         results[host.name] = HostResult(host=host.name, returncode=255, error=err)
         return None
+    if not host.local:
+        try:
+            proc.stdin.write(STDIN_PROBE)  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+        except OSError:
+            pass  # ssh already gone: its exit says why
     return _Job(host, transport, proc, timeout)
 
 

@@ -111,6 +111,9 @@ class NodeFacts:
     address: str | None = None
     #: distributed_type of the node's accelerate default_config.yaml, if any.
     accelerate_mode: str | None = None
+    #: GLOO_SOCKET_IFNAME for a node whose host name resolves to loopback
+    #: (unless the job sets one).
+    gloo_ifname: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +224,12 @@ def nproc_for(spec: RunSpec, host: Host, facts: NodeFacts) -> int:
     return 1
 
 
+def job_sets(name: str, cluster: Cluster, spec: RunSpec, host: Host, head_env: Mapping[str, str]) -> bool:
+    """Whether the job's environment on ``host`` (what travels from here, the
+    cluster file's, --env) sets ``name``."""
+    return name in spec.env or name in cluster.env_for(host) or name in env_from_head(head_env)
+
+
 def build_plan(
     cluster: Cluster,
     spec: RunSpec,
@@ -258,6 +267,8 @@ def build_plan(
         env.update(travelling)
         env.update(cluster.env_for(host))
         env.update(spec.env)
+        if nf.gloo_ifname and "GLOO_SOCKET_IFNAME" not in env:
+            env["GLOO_SOCKET_IFNAME"] = nf.gloo_ifname
         env.update({
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port),

@@ -24,7 +24,7 @@ from corral.agent.session import AgentPool, AgentSession
 from corral.errors import HostError, PreflightError
 from corral.launchers import REQUIRES
 from corral.model import Cluster, Host
-from corral.plan import RunSpec
+from corral.plan import NodeFacts, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
             "paths": paths,
             "modules": [required] if required else [],
             "want_port": s.name == first and spec.master_port is None,
+            "env_names": ["GLOO_SOCKET_IFNAME"],  # set in the node's login environment?
         }
         if spec.launcher == "accelerate":
             args["accelerate"] = True  # the node's default config may pick FSDP/DeepSpeed
@@ -114,12 +115,32 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
                     hint=f"install {mod} in that environment, or point `python` for this host at the "
                          "interpreter that has it (cluster file)",
                     kind="no-module"))
+    problems += same_machine({s.name: results[s.name] for s in pool.sessions})
     if problems:
         raise PreflightError(problems, what="preflight")
     stale = [s.name for s in pool.sessions if spec.program in (results[s.name].get("differs") or [])]
     if stale:
         (warn or log.warning)(stale_script_warning(spec.program, stale))
     return results
+
+
+def same_machine(results: Mapping[str, dict]) -> list[HostError]:
+    """Hosts that are one machine under two names (``gpu2`` and its IP address):
+    it would run two nodes' ranks on the same GPUs, in one job directory."""
+    seen: dict[tuple, list[str]] = {}
+    for name, probe in results.items():
+        if probe.get("machine"):
+            seen.setdefault(tuple(probe["machine"]), []).append(name)
+    problems = []
+    for names in seen.values():
+        if len(names) > 1:
+            listed = ", ".join(names[:-1]) + " and " + names[-1]
+            problems.append(HostError(
+                names[0], f"{listed} are the same machine (one kernel, one network): it would start "
+                          f"{len(names)} nodes' processes there, on the same GPUs",
+                hint="list each machine once in the cluster file (for more processes on it, raise its "
+                     "`slots` or use --nproc-per-node)", kind="same-machine"))
+    return problems
 
 
 #: File systems that live on one machine: what one node writes there, no other node sees.
@@ -223,3 +244,60 @@ async def choose_master(pool: AgentPool, probes: Mapping[str, dict], port: int) 
     raise PreflightError(problems, what="rendezvous")
 
 
+
+
+def node_address(probe: dict, master: str) -> str | None:
+    """The address of a node on the same network as the master, for CORRAL_NODE_IPS."""
+    addrs = probe.get("addresses") or []
+    if master == "127.0.0.1":
+        return "127.0.0.1"
+    try:
+        m = ipaddress.ip_address(master)
+        for a in addrs:
+            if m in ipaddress.ip_network(f"{a['address']}/{a['prefix']}", strict=False):
+                return a["address"]
+    except ValueError:
+        pass
+    return addrs[0]["address"] if addrs else None
+
+
+def gloo_interface(probe: dict, address: str | None) -> str | None:
+    """The interface to name in GLOO_SOCKET_IFNAME on a node whose host name
+    resolves to loopback (Debian's ``127.0.1.1 host`` line) or to nothing:
+    gloo advertises that address to the other nodes' ranks, which then fail
+    with "connectFullMesh failed ... Connection refused, remote=[127.0.1.1]".
+    The interface is the one holding the node's rendezvous address.  None when
+    gloo's own guess is fine, or the node's login environment sets the
+    variable itself."""
+    if "GLOO_SOCKET_IFNAME" in (probe.get("env") or {}):
+        return None
+    resolved = probe.get("hostname_addresses")
+    if resolved is None or resolved and not ipaddress.ip_address(resolved[0].split("%")[0]).is_loopback:
+        return None  # gloo takes the first address: `127.0.1.1 host` above the real line breaks it too
+    return next((a["name"] for a in probe.get("addresses") or [] if a["address"] == address and a.get("name")), None)
+
+
+def node_facts(pool: AgentPool, probes: Mapping[str, dict], master: str, *, job_sets_gloo: Callable[[Host], bool],
+               warn: Callable[[str], None] | None = None) -> dict[str, NodeFacts]:
+    """What the plan needs to know of every node, from preflight and the rendezvous.
+    ``job_sets_gloo(host)``: the job's environment names GLOO_SOCKET_IFNAME there."""
+    facts = {}
+    fixed = []
+    for s in pool.sessions:
+        probe = probes[s.name]
+        address = node_address(probe, master)
+        gloo = None
+        if len(pool.sessions) > 1 and not job_sets_gloo(s.host):
+            gloo = gloo_interface(probe, address)
+        if gloo:
+            resolved = (probe.get("hostname_addresses") or ["nothing"])[0]
+            fixed.append(f"{s.name}'s host name {probe.get('hostname')!r} resolves to {resolved}: its ranks get "
+                         f"GLOO_SOCKET_IFNAME={gloo} (the interface of {address})")
+        facts[s.name] = NodeFacts(gpus=probe.get("gpus"), address=address,
+                                  accelerate_mode=probe.get("accelerate_mode"), gloo_ifname=gloo)
+    if fixed:
+        (warn or log.warning)(
+            "; ".join(fixed) + ", since gloo would tell the other nodes to connect to that address (Debian's "
+            "`127.0.1.1 host` line in /etc/hosts); fix /etc/hosts there, or set GLOO_SOCKET_IFNAME for "
+            "the host in the cluster file")
+    return facts

@@ -21,7 +21,6 @@ result and never prints; the CLI passes a view that does.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import re
@@ -40,8 +39,8 @@ from corral.control import collect_stacks, control_path, ranks_of, serve, stack_
 from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, CorralError, UsageError
 from corral.logs import RunLogs
 from corral.model import Cluster
-from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan
-from corral.preflight import choose_master, local_disk_warning, preflight
+from corral.plan import LaunchPlan, RunSpec, build_plan, job_sets
+from corral.preflight import choose_master, local_disk_warning, node_facts, preflight
 from corral.scriptcheck import self_launch_note
 from corral.stacks import (
     fold_keys,
@@ -192,6 +191,7 @@ class Runner:
         #: Whether the work dir's file system was looked at for --max-restarts.
         self._disk_checked = False
         self._script_checked = False
+        self._gloo_said = False
         #: Attempts that failed and were restarted (--max-restarts): what failed.
         self.restarts: list[dict] = []
         #: What stopped the head: SIGINT (Ctrl-C) is passed on to the ranks as
@@ -345,11 +345,10 @@ class Runner:
                     ui.notice(note)
             port = self.spec.master_port or probes[pool.sessions[0].name].get("port")
             master = await choose_master(pool, probes, int(port))
-            facts = {
-                s.name: NodeFacts(gpus=probes[s.name].get("gpus"), address=self._node_address(s, probes, master),
-                                  accelerate_mode=probes[s.name].get("accelerate_mode"))
-                for s in pool.sessions
-            }
+            facts = node_facts(pool, probes, master, warn=(lambda _: None) if self._gloo_said else ui.notice,
+                               job_sets_gloo=lambda h: job_sets("GLOO_SOCKET_IFNAME", self.cluster, self.spec, h,
+                                                                self.head_env))
+            self._gloo_said = True  # once per run, not once per restart
             plan = build_plan(self.cluster, self.spec, facts, master_addr=master, master_port=int(port),
                               head_env=self.head_env, head_cwd=self.head_cwd)
             _check_shown_ranks(self.options.shown_ranks, plan.world_size)
@@ -364,21 +363,6 @@ class Runner:
             await pool.close()
             raise
         return pool, plan
-
-    @staticmethod
-    def _node_address(s: AgentSession, probes: Mapping[str, dict], master: str) -> str | None:
-        """The address of a node on the same network as the master, for CORRAL_NODE_IPS."""
-        addrs = probes[s.name].get("addresses") or []
-        if master == "127.0.0.1":
-            return "127.0.0.1"
-        try:
-            m = ipaddress.ip_address(master)
-            for a in addrs:
-                if m in ipaddress.ip_network(f"{a['address']}/{a['prefix']}", strict=False):
-                    return a["address"]
-        except ValueError:
-            pass
-        return addrs[0]["address"] if addrs else None
 
     async def _attempt(self, number: int) -> RunResult:
         pool, plan = await self._open_and_plan()

@@ -31,7 +31,7 @@ MAIN = "corral_agent_node"
 _BOOT = """
 import sys, types
 if sys.version_info < (3, 8):
-    sys.stdout.write('{"ev":"fatal","t":"corral needs Python 3.8+ on the node, found %s"}\\n' % sys.version.split()[0])
+    sys.stdout.write('{"ev":"fatal","kind":"old-python","t":"corral needs Python 3.8+ on the node, found %s"}\\n' % sys.version.split()[0])
     sys.stdout.flush()
     raise SystemExit(3)
 for _name in _b["order"]:
@@ -43,9 +43,10 @@ for _name in _b["order"]:
 raise SystemExit(sys.modules[_b["main"]].main(_r))
 """
 
-#: The whole remote program as seen in argv/ps (no quotes that csh would mind).
+#: The whole remote program as seen in argv/ps.  It runs on Python 2 too
+#: (no stdin.buffer there), so that a node's old ``python`` is named by version.
 BOOTSTRAP = (
-    "import sys,json;_r=sys.stdin.buffer;_n=int(_r.readline());"
+    "import sys,json;_r=getattr(sys.stdin,'buffer',sys.stdin);_n=int(_r.readline());"
     "_b=json.loads(_r.read(_n).decode());exec(_b['boot'])"
 )
 

@@ -26,6 +26,11 @@ import subprocess
 import sys
 import time
 
+try:  # on a node, modules are installed under their wire names
+    from corral_agent_probes import hostname_addresses
+except ImportError:  # imported as part of the corral package (tests, head)
+    from corral.agent.probes import hostname_addresses
+
 #: Distributions reported under ``packages`` (name in the facts -> dist names tried).
 PACKAGES = {
     "torch": ("torch",),
@@ -95,6 +100,7 @@ def collect(workdir=None, peers=(), torch=True, torch_timeout=90.0, tmpdir=None)
     facts = {
         "host": None,  # the head fills in the cluster's name for this node
         "hostname": socket.gethostname(),
+        "shell": os.environ.get("SHELL"),  # the login shell: where start-up files are
         "fqdn": _quiet(socket.getfqdn, errors, "fqdn"),
         "os": _os_release(),
         "kernel": platform.release(),
@@ -119,6 +125,7 @@ def collect(workdir=None, peers=(), torch=True, torch_timeout=90.0, tmpdir=None)
     names = [p.get("name") for p in peers if p.get("name")]
     names.append(facts["hostname"])
     facts["resolve"] = {name: _resolve(name) for name in dict.fromkeys(names)}
+    facts["hostname_addresses"] = hostname_addresses()  # in order: gloo takes the first
     addresses = [p.get("address") for p in peers if p.get("address")]
     for resolved in facts["resolve"].values():
         addresses.extend(resolved)
@@ -164,6 +171,7 @@ def _workdir(workdir, errors) -> dict:
     out = {"workdir": workdir, "workdir_exists": None, "disk_free_bytes": None}
     if not workdir:
         return out
+    workdir = os.path.expanduser(workdir)  # `~/proj`: this node's home
     out["workdir_exists"] = os.path.isdir(workdir)
     if out["workdir_exists"]:
         # access(2) answers EROFS for a read-only mount, and the login

@@ -6,6 +6,8 @@ torchrun's log directory) and is removed when the job ends.  Also what to
 say about where it is: a temp dir Python fell back to, one that filled up.
 """
 
+from __future__ import annotations
+
 import os
 import shutil
 import socket

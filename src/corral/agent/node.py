@@ -171,6 +171,8 @@ class Agent:
             self.chan.send(ev="fatal", t="a workload is already running on this agent")
             return
         spec = msg["spec"]
+        if spec.get("cwd"):
+            spec = dict(spec, cwd=os.path.expanduser(spec["cwd"]))  # `~/proj`: this node's home
         self.stopping = False
         self.stop_due = None
         try:

@@ -101,6 +101,27 @@ def free_port() -> int:
         s.close()
 
 
+def hostname_addresses(hostname=None) -> list:
+    """What this node's host name resolves to, in getaddrinfo's order: gloo
+    advertises the first address to the other ranks unless GLOO_SOCKET_IFNAME
+    names an interface."""
+    try:
+        infos = socket.getaddrinfo(hostname or socket.gethostname(), None, 0, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def _hostname_addresses_quickly(seconds=2.0):
+    """``hostname_addresses()``, or None when the resolver takes longer (a DNS
+    server that does not answer): preflight must not wait on it."""
+    out = []
+    worker = threading.Thread(target=lambda: out.append(hostname_addresses()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return out[0] if out else None
+
+
 def _importable(name: str) -> bool:
     import importlib.util
 
@@ -184,6 +205,18 @@ def dir_identity(path):
     return [boot, st.st_dev, st.st_ino]
 
 
+def machine_identity():
+    """[kernel boot id, network namespace]: two hosts of a cluster file with the
+    same one are one machine reached under two names (an IP address and a
+    name), not two nodes."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return [boot, os.stat("/proc/self/ns/net").st_ino]
+    except OSError:
+        return None
+
+
 def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(), compare=None,
               accelerate=False, cuda_visible_devices=None) -> dict:
     """Everything the head needs to plan a launch, in one round trip.
@@ -194,6 +227,8 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
     --env): the GPUs counted are the ones its ranks will see."""
     result = {
         "hostname": socket.gethostname(),
+        "hostname_addresses": _hostname_addresses_quickly(),
+        "machine": machine_identity(),
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "addresses": routable_addresses(),
@@ -209,6 +244,7 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
         result["accelerate_mode"] = accelerate_default_mode()
     base = None
     if workdir:
+        workdir = os.path.expanduser(workdir)  # `~/proj`: this node's home
         exists = os.path.isdir(workdir)
         result["workdir"] = {"path": workdir, "exists": exists, "writable": exists and os.access(workdir, os.W_OK),
                              "fstype": fstype(workdir) if exists else None,

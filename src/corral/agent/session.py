@@ -27,6 +27,7 @@ from corral.agent.bundle import payload, remote_argv
 from corral.errors import HostError, PreflightError
 from corral.model import Cluster, Host
 from corral.transport import Transport, transport_for
+from corral.transport.ssh import SHELL_READ_INPUT, python_hint, shell_read_input
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,10 @@ class AgentSession:
                 self._hello.set_result(ev)
             return
         if kind == "fatal" and self._hello is not None and not self._hello.done():
-            self._hello.set_exception(HostError(self.name, str(ev.get("t")), kind="agent-failed"))
+            old = ev.get("kind") == "old-python"
+            self._hello.set_exception(HostError(self.name, str(ev.get("t")),
+                                                hint=python_hint(self.host) if old else None,
+                                                kind="no-python" if old else "agent-failed"))
             return
         if kind == "result":
             fut = self._pending.pop(ev.get("id"), None)
@@ -194,7 +198,11 @@ class AgentSession:
     async def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
         async for raw in self.proc.stderr:
-            self._stderr.append(raw.decode(errors="replace").rstrip())
+            line = raw.decode(errors="replace").rstrip()
+            self._stderr.append(line)
+            if self._hello is not None and not self._hello.done() and SHELL_READ_INPUT.search(line):
+                # It would wait for more input until the start-up timeout.
+                self._hello.set_exception(shell_read_input(self.host, line))
 
     async def _ended(self) -> None:
         """stdout closed: the agent (or ssh) is gone."""

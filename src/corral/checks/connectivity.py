@@ -18,6 +18,7 @@ from corral.checks.base import (
 )
 from corral.checks.nics import active_ib_ports
 from corral.hostrange import HostSet
+from corral.transport.ssh import quiet_login_hint
 
 #: A link (or node) slower than this fraction of its peers' is flagged.
 SLOW_FRACTION = 0.5
@@ -241,14 +242,14 @@ def smoke(ev: Evidence) -> list[Finding]:
 def login_output(ev: Evidence) -> list[Finding]:
     """A login shell that writes to stdout for non-interactive logins (a banner
     or an ``echo`` in ~/.bashrc) garbles rsync's and scp's protocols."""
-    noisy = {h: ev.facts[h]["login_output"][0] for h in ev.reachable if ev.facts[h].get("login_output")}
+    noisy = {h: (ev.facts[h]["login_output"][0], ev.facts[h].get("shell"))
+             for h in ev.reachable if ev.facts[h].get("login_output")}
     return [Finding(
         check="connectivity.login", severity=WARNING, hosts=hosts,
         message=f"the login shell writes to stdout before any command runs ({text!r}): rsync "
                 "(`corral sync`) and scp fail on it",
-        hint="`ssh <host> true` must print nothing: move that output in ~/.bashrc, ~/.profile or "
-             "/etc/bash.bashrc under `case $- in *i*)` (interactive shells only)",
-    ) for text, hosts in group_hosts(noisy)]
+        hint=quiet_login_hint(str(hosts), shell),
+    ) for (text, shell), hosts in group_hosts(noisy)]
 
 
 CHECKS = (agents, ports, ssh_mesh, login_output, links, smoke)

@@ -159,21 +159,25 @@ def _fix_hint(var: str, best: str | None, host: str) -> str:
 
 
 def _gloo_guess(host: str, f: Mapping[str, Any], best: str | None) -> list[Finding]:
-    """gloo binds the address the hostname resolves to; 127.0.1.1 breaks multi-node runs."""
+    """gloo advertises the address the hostname resolves to (loopback when it
+    resolves to nothing): 127.0.1.1 breaks multi-node runs.  corral run sets
+    GLOO_SOCKET_IFNAME on such a node by itself; other launchers do not."""
     hostname = f.get("hostname")
-    resolved = (f.get("resolve") or {}).get(hostname) or []
-    if not resolved:
-        return [Finding(check="network.hostname", severity=ERROR, hosts=HostSet.of([host]),
-                        message=f"its hostname {hostname!r} does not resolve, and gloo binds "
-                                "the hostname's address",
-                        hint=_fix_hint("GLOO_SOCKET_IFNAME", best, host)
-                             + f", or add {hostname} to /etc/hosts")]
-    if all(ipaddress.ip_address(a).is_loopback for a in resolved):
-        return [Finding(check="network.hostname", severity=ERROR, hosts=HostSet.of([host]),
-                        message=f"its hostname {hostname!r} resolves to {', '.join(resolved)} "
-                                "(loopback): gloo would listen where no other node can reach it",
-                        hint=_fix_hint("GLOO_SOCKET_IFNAME", best, host))]
-    return []
+    resolved = f.get("hostname_addresses")  # in getaddrinfo's order: gloo takes the first
+    if resolved is None:  # facts of an older corral
+        resolved = (f.get("resolve") or {}).get(hostname) or []
+    loopback = [a for a in resolved if ipaddress.ip_address(a.split("%")[0]).is_loopback]
+    if resolved and resolved[0] not in loopback:
+        return []
+    what = (f"resolves to {resolved[0]} (loopback){' first' if len(resolved) > 1 else ''}" if resolved
+            else "does not resolve (gloo then uses 127.0.0.1)")
+    fix = _fix_hint("GLOO_SOCKET_IFNAME", best, host)
+    return [Finding(check="network.hostname", severity=WARNING, hosts=HostSet.of([host]),
+                    message=f"its hostname {hostname!r} {what}: gloo would tell the other nodes to "
+                            "connect there; `corral run` sets GLOO_SOCKET_IFNAME for its ranks by itself, "
+                            "a launcher started otherwise (DeepSpeed's runner, torchrun by hand) fails",
+                    hint=fix + ("" if resolved else f", or add {hostname} to /etc/hosts")
+                         + (", or take the `127.0.1.1` line out of /etc/hosts there" if resolved else ""))]
 
 
 def infiniband(ev: Evidence) -> list[Finding]:
@@ -236,6 +240,10 @@ def resolution(ev: Evidence) -> list[Finding]:
             continue
         views = {h: tuple((ev.facts[h].get("resolve") or {}).get(name) or ())
                  for h in ev.reachable if name in (ev.facts[h].get("resolve") or {})}
+        if views.get(name):  # a node's own name on loopback (Debian's 127.0.1.1): network.hostname's
+            views[name] = tuple(a for a in views[name] if not ipaddress.ip_address(a).is_loopback)
+            if not views[name]:
+                del views[name]
         if not views:
             continue
         unresolved = HostSet.of(h for h, v in views.items() if not v)

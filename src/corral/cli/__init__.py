@@ -130,8 +130,23 @@ def _report(err: CorralError) -> None:
     print_error(err)
 
 
+def _tolerant_stdio() -> None:
+    """Ranks print what they like (emoji, CJK, a latin-1 byte); a terminal in
+    a non-UTF-8 locale (ISO-8859-1, PYTHONIOENCODING=ascii) cannot show all
+    of it.  Say it with escapes rather than fail: `corral exec` ended in a
+    UnicodeEncodeError traceback, and `corral run` dropped the ranks' lines."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "")
+        if encoding != "utf8" and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                pass
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the CLI, turn CorralError into exit codes."""
+    _tolerant_stdio()
     try:
         rv = cli.main(args=argv, prog_name="corral", standalone_mode=False)
     except click.exceptions.Abort:

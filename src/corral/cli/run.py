@@ -179,7 +179,7 @@ def _sync_project(cluster, *, program: str | None, workdir: str | None, dry_run:
 
     cwd = Path.cwd()
     options = with_cluster_workdir(
-        cluster, SyncOptions(dry_run=dry_run, to=os.path.expanduser(workdir) if workdir else None))
+        cluster, SyncOptions(dry_run=dry_run, to=workdir))  # `~/proj`: each node's home, as the run reads it
     rel = left_out(cwd, program) if program else None
     if rel is not None:
         root, _ = project_root(cwd)

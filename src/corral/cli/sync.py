@@ -116,10 +116,11 @@ def sync_cluster(
 
 
 def with_cluster_workdir(cluster: Cluster, options: SyncOptions) -> SyncOptions:
-    """The project goes where runs will look for it: the cluster file's
-    ``workdir`` when it sets one (else the same path as here).  A sync copies
-    to one place, so hosts with different work directories need ``--to``."""
-    if options.to is not None or options.paths:
+    """The project (or the parts of it named) goes where runs will look for
+    it: the cluster file's ``workdir`` when it sets one (else the same path as
+    here).  A sync copies to one place, so hosts with different work
+    directories need ``--to``."""
+    if options.to is not None:
         return options
     dirs = {h.name: cluster.workdir_for(h) for h in cluster.hosts}
     if not any(dirs.values()):
@@ -131,6 +132,8 @@ def with_cluster_workdir(cluster: Cluster, options: SyncOptions) -> SyncOptions:
                          hint="sync each group of hosts with -H/--to (e.g. corral sync -H h2 --to /srv/other), "
                               "or give every host the same workdir in the cluster file")
     (workdir,) = distinct
+    if options.paths:  # parts of the project go where runs look; other trees keep their path
+        return replace(options, project_to=workdir)
     return replace(options, to=workdir)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from corral.errors import HostError
 from corral.model import Cluster, Host
-from corral.transport.ssh import SSHTransport, classify_ssh_failure
+from corral.transport.ssh import SSHTransport, classify_ssh_failure, python_hint
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,10 @@ sys.stdout.write("\n@@corral-result@@" + json.dumps(_v) + "\n")
 sys.stdout.flush()
 """
 
-#: The whole remote program as seen in ps: reads the payload, runs it.
+#: The whole remote program as seen in ps: reads the payload, runs it (on
+#: Python 2 too, so that an old ``python`` is named by version).
 BOOT = (
-    "import sys,json;_r=sys.stdin.buffer;_n=int(_r.readline());"
+    "import sys,json;_r=getattr(sys.stdin,'buffer',sys.stdin);_n=int(_r.readline());"
     "_h=json.loads(_r.read(_n).decode());exec(_h['boot'])"
 )
 
@@ -197,7 +198,9 @@ async def gather_hosts(
         if isinstance(res, HostError):
             problems.append(res)
         elif isinstance(res, RemoteError):
-            problems.append(HostError(host.name, str(res), kind=res.kind))
+            old = res.kind == "python"  # the boot found an interpreter older than 3.8
+            problems.append(HostError(host.name, str(res), hint=python_hint(host) if old else None,
+                                      kind="no-python" if old else res.kind))
         elif isinstance(res, BaseException):
             raise res
         else:

@@ -61,6 +61,9 @@ class SyncOptions:
     paths: tuple[str, ...] = ()
     #: Destination root on the nodes; None = the same path as here.
     to: str | None = None
+    #: Without ``to``: where named parts of the project go (the cluster file's
+    #: workdir); named trees outside the project keep their own path.
+    project_to: str | None = None
     delete: bool = False
     dry_run: bool = False
     #: Only compare (tree hashes, differing files); send nothing.
@@ -172,7 +175,7 @@ class Syncer:
     async def _run(self) -> SyncReport:
         t0 = time.monotonic()
         units = await asyncio.to_thread(
-            filelist.build_units, self.cwd, self.options.paths, self.options.to
+            filelist.build_units, self.cwd, self.options.paths, self.options.to, self.options.project_to
         )
         log.debug("%.2fs: file list (%d unit(s))", time.monotonic() - t0, len(units))
         hosts = [h for h in self.cluster.hosts if not self._is_source(h, units)]
@@ -301,6 +304,8 @@ class Syncer:
             "copy": [f"{units[i].dest}/{p}" for i, p in copy],
             "delete": [f"{units[i].dest}/{p}" for i, p in delete],
             "bytes": size,
+            # where each unit is on this node: `~/proj` is its own home there
+            "dests": [st.get("path") or unit.dest for unit, st in zip(units, status)],
         }
 
     def _readonly_result(self, name: str, plan: dict, status: list[dict]) -> NodeResult:
@@ -359,7 +364,8 @@ class Syncer:
                         if j == i and (j, p) not in chained[host.name]
                     ]
                     await rsync.send(
-                        self.cluster, host, str(unit.root), unit.dest, paths, on_bytes=progress
+                        self.cluster, host, str(unit.root), plans[host.name]["dests"][i], paths,
+                        on_bytes=progress,
                     )
 
             _, problems = await gather_hosts(hosts, star)

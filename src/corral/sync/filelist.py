@@ -217,8 +217,11 @@ def left_out(cwd: Path, name: str) -> str | None:
     return None if rel in project_unit(cwd, None).paths else rel
 
 
-def path_units(cwd: Path, names: tuple[str, ...], to: str | None) -> list[Unit]:
-    """Units for explicit PATHs: parts of the project, or trees of their own."""
+def path_units(cwd: Path, names: tuple[str, ...], to: str | None,
+               project_to: str | None = None) -> list[Unit]:
+    """Units for explicit PATHs: parts of the project (under ``to``, else
+    ``project_to``, else the same path), or trees of their own (under ``to``,
+    else the same path)."""
     root, in_git = project_root(cwd)
     inside: list[Path] = []
     outside: list[Path] = []
@@ -248,7 +251,7 @@ def path_units(cwd: Path, names: tuple[str, ...], to: str | None) -> list[Unit]:
         units.append(
             Unit(
                 root=root,
-                dest=to or str(root),
+                dest=to or project_to or str(root),
                 paths=tuple(sorted(paths)),
                 scope=tuple(scope),
                 rules=rules,
@@ -279,13 +282,16 @@ def path_units(cwd: Path, names: tuple[str, ...], to: str | None) -> list[Unit]:
     return units
 
 
-def build_units(cwd: Path, names: tuple[str, ...] = (), to: str | None = None) -> list[Unit]:
-    """What to send, as units (one per root); ``to`` replaces each root's destination."""
-    if to is not None and not to.startswith("/"):
+def build_units(cwd: Path, names: tuple[str, ...] = (), to: str | None = None,
+                project_to: str | None = None) -> list[Unit]:
+    """What to send, as units (one per root); ``to`` replaces each root's destination,
+    ``project_to`` (without ``to``) the project's."""
+    if to is not None and not to.startswith(("/", "~")):
         raise UsageError(
-            f"--to {to!r}: give an absolute path on the nodes", hint="e.g. --to /srv/project"
+            f"--to {to!r}: give an absolute path on the nodes (or ~/DIR, in the home there)",
+            hint="e.g. --to /srv/project",
         )
-    return path_units(cwd, names, to) if names else [project_unit(cwd, to)]
+    return path_units(cwd, names, to, project_to) if names else [project_unit(cwd, to or project_to)]
 
 
 def protected(unit: Unit, extras: list[str]) -> set[str]:

@@ -203,7 +203,7 @@ def status(units: list, dry_run: bool = False) -> list:
     Creates the root (outside dry runs) so rsync has somewhere to write."""
     out = []
     for unit in units:
-        root, paths = unit["root"], unit["paths"]
+        root, paths = os.path.expanduser(unit["root"]), unit["paths"]  # `~/proj`: this node's home
         exists = os.path.isdir(root)
         if not exists and not dry_run:
             _make_root(root)
@@ -216,7 +216,8 @@ def status(units: list, dry_run: bool = False) -> list:
             if unit.get("scope") is not None and exists
             else []
         )
-        out.append({"root": root, "hash": got["hash"], "entries": got["entries"], "extra": extra})
+        out.append({"root": unit["root"], "path": root, "hash": got["hash"], "entries": got["entries"],
+                    "extra": extra})
     return out
 
 
@@ -250,6 +251,7 @@ def delete(root: str, paths: list) -> int:
     """Remove ``paths`` (relative to ``root``), then directories they leave empty."""
     count = 0
     dirs = set()
+    root = os.path.expanduser(root)
     real_root = os.path.realpath(root)
     for rel in paths:
         full = os.path.join(root, rel)
@@ -339,6 +341,7 @@ def receive(
     """Write ``size`` bytes from ``stream`` to ``root/rel`` while forwarding them
     to the next hop of ``chain``; verify the sha256; rename into place."""
     lock = threading.Lock()
+    root = os.path.expanduser(root)  # the chain passes `~/proj` on: each node's own home
     path = os.path.join(root, rel)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.corral-{os.getpid()}")

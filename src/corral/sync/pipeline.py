@@ -25,7 +25,6 @@ import asyncio
 import json
 import logging
 import os
-import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.sshsetup.remote import MARK, call_node, payload, remote_command, ssh_argv
 from corral.sync import nodetree
+from corral.transport.ssh import command_line
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def hop_argv(host: Host, *, connect_timeout: int = 10) -> list[str]:
 
 
 def _remote(host: Host) -> str:
-    return " ".join(shlex.quote(w) for w in remote_command(host.python))
+    return command_line(remote_command(host.python))
 
 
 async def reachable(cluster: Cluster, pairs: Sequence[tuple[Host, Host]]) -> dict[str, str]:

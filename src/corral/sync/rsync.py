@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 from collections.abc import Callable, Sequence
 
 from corral.errors import HostError, UsageError
 from corral.model import Cluster, Host
-from corral.transport.ssh import SSHTransport, classify_ssh_failure
+from corral.transport.ssh import SSHTransport, classify_ssh_failure, quiet_login_hint
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ def argv(cluster: Cluster, host: Host, source_root: str, dest_root: str) -> list
     src = source_root.rstrip("/") + "/"
     dest = dest_root.rstrip("/") + "/"
     if host.local:
-        return ["rsync", *BASE_FLAGS, src, dest]
+        return ["rsync", *BASE_FLAGS, src, os.path.expanduser(dest)]
+    # rsync leaves a leading `~` of the remote path to the node's shell: its home.
     return ["rsync", *BASE_FLAGS, "-e", rsh(cluster, host), src, f"{host.name}:{dest}"]
 
 
@@ -157,9 +159,7 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
             host.name,
             f"rsync failed (exit {rc}): the login shell there writes to stdout, "
             "which garbles rsync's protocol (\"protocol version mismatch -- is your shell clean?\")",
-            hint=f"`ssh {host.name} true` must print nothing: move the output (an echo, a banner) in "
-                 "its ~/.bashrc, ~/.profile or /etc/bash.bashrc under `case $- in *i*)` "
-                 "(interactive shells only)",
+            hint=quiet_login_hint(host.name),
             kind="rsync",
         )
     lines = [

@@ -12,10 +12,12 @@ Host key checking is never turned off.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import re
-import shlex
+import struct
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +56,34 @@ def _control_dir_candidates() -> Iterator[Path]:
     import tempfile
 
     yield Path(tempfile.gettempdir()) / f"corral-{os.getuid()}" / "ssh"
+
+
+#: Words every login shell reads as themselves: none of them expands these
+#: characters, and no word starts with zsh's ``=cmd``, tcsh's ``=N`` or a
+#: ``%`` job.
+_PLAIN = re.compile(r"[A-Za-z0-9_@+:,./-][A-Za-z0-9_@%+=:,./-]*")
+
+
+def shell_quote(word: str) -> str:
+    """``word`` as the login shell on the node will read it back, whichever it is.
+
+    sshd hands the command line to the user's login shell (``$SHELL -c
+    LINE``): sh, bash, zsh, but also fish or tcsh.  ``shlex.quote`` is
+    POSIX-only: fish reads ``\\`` and ``\'`` *inside* single quotes as escapes
+    (``a\\\\b`` arrived as ``a\\b``) and csh expands ``!`` there.  Here a
+    backslash, a single quote and ``!`` go between the quotes, each behind a
+    backslash, which every one of these shells reads as the character itself.
+    A newline cannot be passed to csh inside or outside quotes: callers that
+    may carry one encode it (``corral.fanout.remote_argv``).
+    """
+    if _PLAIN.fullmatch(word):
+        return word
+    return "'" + re.sub(r"[\\'!]", lambda m: "'\\" + m.group() + "'", word) + "'"
+
+
+def command_line(remote: list[str]) -> str:
+    """``remote`` (an argv) as one command line for the node's login shell."""
+    return " ".join(shell_quote(w) for w in remote)
 
 
 def _options(opts: tuple[str, ...]) -> list[str]:
@@ -122,10 +152,73 @@ class SSHTransport:
     def argv(self, host: Host, remote: list[str]) -> list[str]:
         # ssh joins its arguments with spaces and hands them to the remote
         # login shell, so quote each word exactly once here.
-        return self.base_argv(host) + ["--", " ".join(shlex.quote(w) for w in remote)]
+        return self.base_argv(host) + ["--", command_line(remote)]
 
     def failure(self, host: Host, returncode: int, stderr: str) -> HostError:
-        return classify_ssh_failure(host, returncode, stderr)
+        err = classify_ssh_failure(host, returncode, stderr)
+        if err.kind == "auth-refused" and "Permission denied" in stderr:
+            locked = locked_keys(self.base_argv(host))
+            if locked:
+                keys = ", ".join(locked)
+                return HostError(
+                    host.name,
+                    f"authentication refused: the key {keys} has a passphrase and no ssh-agent holds it "
+                    "(corral's ssh runs in BatchMode: it never asks for one)",
+                    hint=f"load it into an agent once: `eval \"$(ssh-agent)\"; ssh-add {locked[0]}`, then run "
+                         "corral again from that shell (or give the cluster a key without a passphrase)",
+                    kind="auth-refused")
+        return err
+
+
+def locked_keys(argv: list[str]) -> list[str]:
+    """The identity files ``argv`` (an ssh command) would offer that have a
+    passphrase and are not in the running ssh-agent: BatchMode skips them, and
+    the server then says only "Permission denied"."""
+    words = [w for w in argv[1:] if w not in ("-T", "-x", "-a")]
+    try:
+        out = subprocess.run(["ssh", "-G", *words], capture_output=True, text=True, timeout=10,
+                             stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    files = [os.path.expanduser(line.split(None, 1)[1]) for line in out.splitlines()
+             if line.startswith("identityfile ") and len(line.split(None, 1)) == 2]
+    locked = [f for f in dict.fromkeys(files) if _has_passphrase(f)]
+    if locked and os.environ.get("SSH_AUTH_SOCK"):
+        held = _fingerprints(["ssh-add", "-l"])
+        locked = [f for f in locked if not held & _fingerprints(["ssh-keygen", "-lf", f + ".pub"])
+                  and (held == set() or os.path.exists(f + ".pub"))]
+    return locked
+
+
+def _has_passphrase(path: str) -> bool:
+    """Whether a private key file is encrypted (OpenSSH or PEM format)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(1 << 16).decode("ascii", "replace")
+    except OSError:
+        return False
+    if "ENCRYPTED" in text.split("\n\n", 1)[0]:  # PEM: Proc-Type: 4,ENCRYPTED / BEGIN ENCRYPTED
+        return True
+    m = re.search(r"-----BEGIN OPENSSH PRIVATE KEY-----(.*?)-----END", text, re.S)
+    if not m:
+        return False
+    try:
+        blob = base64.b64decode("".join(m.group(1).split()))
+    except ValueError:
+        return False
+    magic = b"openssh-key-v1\0"
+    if not blob.startswith(magic) or len(blob) < len(magic) + 4:
+        return False
+    (n,) = struct.unpack(">I", blob[len(magic):len(magic) + 4])
+    return blob[len(magic) + 4:len(magic) + 4 + n] != b"none"
+
+
+def _fingerprints(argv: list[str]) -> set[str]:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {line.split()[1] for line in out.splitlines() if len(line.split()) > 1}
 
 
 _RULES: list[tuple[str, str, str, str]] = [
@@ -187,6 +280,52 @@ _RULES: list[tuple[str, str, str, str]] = [
 ]
 
 
+def python_hint(host: Host) -> str:
+    """What to do when ``host``'s interpreter is missing or older than the agent needs."""
+    return (f"install Python 3.8+ on {host.name}, or point `python` for it in the cluster file "
+            f"at one (now {host.python!r})")
+
+
+#: A shell that ran the first line corral wrote on stdin (a payload's length)
+#: as a command: bash, dash, zsh, fish and tcsh wordings.
+SHELL_READ_INPUT = re.compile(r"\b\d{4,}: (?:command )?not found|(?:command not found|Unknown command): \d{4,}\b"
+                              r"|\b\d{4,}: Command not found")
+
+
+def shell_read_input(host: Host, said: str) -> HostError:
+    """The login shell never ran corral's command but read corral's input
+    (stdin) as commands: a start-up file replaced it with another shell."""
+    return HostError(
+        host.name,
+        f"its login shell did not run corral's command: it read corral's input as commands ({said.strip()!r}); "
+        "a start-up file starts another shell in its place (`exec zsh` in ~/.bashrc, say)",
+        hint=f"let that line run only for interactive logins (`case $- in *i*) exec zsh;; esac`), or change "
+             f"the login shell with chsh; `ssh {host.name} echo ok` must print ok",
+        kind="login-shell")
+
+
+#: Where each login shell reads its start-up files, and how a line there is
+#: kept to interactive logins.
+_STARTUP = {
+    "bash": ("~/.bashrc, ~/.profile or /etc/bash.bashrc", "under `case $- in *i*)`"),
+    "zsh": ("~/.zshenv or /etc/zsh/zshenv", "under `[[ -o interactive ]] &&`, or in ~/.zshrc"),
+    "fish": ("~/.config/fish/config.fish", "inside `if status is-interactive`"),
+    "tcsh": ("~/.tcshrc, ~/.cshrc or /etc/csh.cshrc", "inside `if ($?prompt) then`"),
+    "csh": ("~/.cshrc or /etc/csh.cshrc", "inside `if ($?prompt) then`"),
+}
+
+
+def quiet_login_hint(host: str, shell: str | None = None) -> str:
+    """How to keep a login shell from writing to stdout when it runs a command
+    (rsync and scp fail on that output); ``shell`` is its $SHELL when known."""
+    name = os.path.basename(shell or "")
+    files, how = _STARTUP.get(name, _STARTUP["bash"])
+    others = "" if shell else (" (~/.config/fish/config.fish for fish, ~/.cshrc for tcsh: "
+                               "inside `if status is-interactive` / `if ($?prompt) then`)")
+    return (f"`ssh {host} true` must print nothing: move that output (an echo, a banner) in its "
+            f"{files} {how}, so it is for interactive shells only{others}")
+
+
 def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
     """Turn an ssh exit status and stderr into a named, hinted HostError."""
     text = stderr.strip()
@@ -194,11 +333,15 @@ def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
         for pattern, kind, message, hint in _RULES:
             if re.search(pattern, text):
                 return HostError(host.name, message, hint=hint.format(name=host.name), kind=kind)
+    ate = SHELL_READ_INPUT.search(text)
+    if ate:
+        line = next(ln for ln in text.splitlines() if SHELL_READ_INPUT.search(ln))
+        return shell_read_input(host, line)
     if returncode == 127 or re.search(r"(not found|No such file or directory)", text):
         return HostError(
             host.name,
             f"cannot run the interpreter {host.python!r} there",
-            hint=f"install Python 3.8+ on {host.name} or set `python` for it in the cluster file",
+            hint=python_hint(host),
             kind="no-python",
         )
     if not text and returncode == SSH_ERROR:
