@@ -49,6 +49,27 @@ def interrupt(proc: subprocess.Popen, timeout: float) -> int:
     return proc.returncode
 
 
+def stop_when_ready(args: list[str], cwd: Path, sig: int, on_ready=None) -> tuple[str, float]:
+    """Start ``corral run ARGS``, send ``sig`` once both ranks printed "ready";
+    its whole output and the seconds from the signal to its exit (130 checked)."""
+    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_lines(proc, "ready", 2)
+        if on_ready is not None:
+            on_ready()
+        started = time.monotonic()
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - started
+        assert proc.returncode == 130, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return out, elapsed
+
+
 CHATTY = """
     import os, sys, time
     import torch.distributed as dist
@@ -394,17 +415,7 @@ def test_sigterm_reaches_each_rank_once_and_waits_for_its_checkpoint(tmp_path: P
             f.write(str(len(got)))
         sys.exit(0)
     """)
-    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", "preempt.py"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for_lines(proc, "ready", 2)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 130, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, _ = stop_when_ready(["preempt.py"], tmp_path, signal.SIGTERM)
     assert {p.name: p.read_text() for p in tmp_path.glob("ckpt-*")} == {"ckpt-0": "1", "ckpt-1": "1"}, out
 
 
@@ -419,17 +430,7 @@ def test_a_rank_killed_after_the_grace_of_an_interrupt_is_named(tmp_path: Path) 
         print("ready", flush=True)
         time.sleep(600)
     """)
-    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", "--grace", "1", "slow.py"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for_lines(proc, "ready", 2)
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 130, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, _ = stop_when_ready(["--grace", "1", "slow.py"], tmp_path, signal.SIGINT)
     assert "still running 1 s after the stop signal were killed" in out and "--grace SECONDS" in out, out
 
 
@@ -446,20 +447,9 @@ def test_ctrl_c_leaves_nothing_within_10_s_even_of_ranks_that_ignore_it(tmp_path
         print("ready", flush=True)
         time.sleep(600)
     """)
-    proc = subprocess.Popen(CORRAL + ["run", "--ranks", "all", "deaf.py"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for_lines(proc, "ready", 2)
-        pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
-        started = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-        elapsed = time.monotonic() - started
-        assert proc.returncode == 130, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    pids: list[int] = []
+    out, elapsed = stop_when_ready(["deaf.py"], tmp_path, signal.SIGINT,
+                                   on_ready=lambda: pids.extend(int(p.read_text()) for p in tmp_path.glob("pid-*")))
     assert len(pids) == 2 and not any(pid_alive(p) for p in pids), out
     assert elapsed < 10, f"corral took {elapsed:.1f} s to leave nothing behind"
     assert "still running 7 s after the stop signal were killed" in out, out
