@@ -20,6 +20,7 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 
+from corral.agent.probes import advertises_loopback
 from corral.agent.session import AgentPool, AgentSession
 from corral.errors import HostError, PreflightError
 from corral.launchers import REQUIRES
@@ -244,8 +245,6 @@ async def choose_master(pool: AgentPool, probes: Mapping[str, dict], port: int) 
     raise PreflightError(problems, what="rendezvous")
 
 
-
-
 def node_address(probe: dict, master: str) -> str | None:
     """The address of a node on the same network as the master, for CORRAL_NODE_IPS."""
     addrs = probe.get("addresses") or []
@@ -272,8 +271,8 @@ def gloo_interface(probe: dict, address: str | None) -> str | None:
     if "GLOO_SOCKET_IFNAME" in (probe.get("env") or {}):
         return None
     resolved = probe.get("hostname_addresses")
-    if resolved is None or resolved and not ipaddress.ip_address(resolved[0].split("%")[0]).is_loopback:
-        return None  # gloo takes the first address: `127.0.1.1 host` above the real line breaks it too
+    if resolved is None or not advertises_loopback(resolved):
+        return None  # unknown (a resolver too slow), or gloo's first address is fine
     return next((a["name"] for a in probe.get("addresses") or [] if a["address"] == address and a.get("name")), None)
 
 

@@ -48,7 +48,7 @@ from corral.stacks import (
     key_rank,
     stack_key_text,
 )
-from corral.watch import Failure, JobWatch, Sink
+from corral.watch import Failure, JobWatch, Sink, node_notice
 
 #: Launchers whose per-node process is torchrun's elastic agent, and the module
 #: each node imports ahead of its job (preloaded ranks need that agent).
@@ -224,18 +224,9 @@ class Runner:
     # -- events ------------------------------------------------------------
 
     def _on_event(self, session: AgentSession, ev: dict) -> None:
-        if ev.get("ev") == "killed" and self.interrupts:
-            names = ", ".join(str(n) for n in ev.get("names") or ())
-            grace = float(ev.get("grace") or 0)
-            why = ("a script that saves a checkpoint when stopped may need more time: --grace SECONDS "
-                   "(torchrun waits 30); or a handler ignores the signal or waits on ranks already "
-                   "stopped (Lightning's SIGTERM handler can)")
-            self.view.message(f"{session.name}: {ev.get('n')} process(es) still running {grace:g} s "
-                              f"after the stop signal were killed ({names}); {why}")
-        if ev.get("ev") == "leftover":
-            names = ", ".join(str(n) for n in ev.get("names") or ())
-            self.view.message(f"{session.name}: the job's launcher ended; stopping {ev.get('n')} process(es) "
-                              f"it left running ({names}): corral leaves nothing behind on a node")
+        notice = node_notice(session.name, ev, interrupted=bool(self.interrupts))
+        if notice:
+            self.view.message(notice)
         if self.attempt is not None:
             self.attempt.watch.event(session.name, ev)
             if ev.get("ev") in ("exit", "rank_exit", "closed", "fatal") and self._wake is not None:
@@ -457,11 +448,12 @@ class Runner:
                 await self._quiet(pool, watch, now - watch.last_progress)
             if stopping_since is None and (watch.failed or self.interrupts):
                 cause = None if self.interrupts else watch.root_cause()
-                reason = "interrupted" if cause is None else cause.describe()
                 if cause is None:
+                    reason = "interrupted"
                     self.view.message(f"interrupted: stopping every node (its processes get up to "
                                       f"{self._grace():g} s to exit, --grace; Ctrl-C again stops them now)")
                 else:
+                    reason = cause.describe()
                     self.view.message(f"{reason}: stopping every node")
                 self.view.stopping()
                 watch.stopping = True

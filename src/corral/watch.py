@@ -423,3 +423,21 @@ class JobWatch:
             parts.append("\n".join(self.tails[failure.rank]))
         parts.append("\n".join(self.nodes[failure.host].launcher_tail))
         return "\n".join(p for p in parts if p)
+
+
+def node_notice(host: str, ev: dict, *, interrupted: bool) -> str | None:
+    """What a node's agent did on its own that the user should hear of: it
+    killed processes still running when a stop's grace ran out (said after an
+    interrupt, where the user may want more time), or processes the job's
+    launcher left behind when it ended."""
+    names = ", ".join(str(n) for n in ev.get("names") or ())
+    if ev.get("ev") == "killed" and interrupted:
+        grace = float(ev.get("grace") or 0)
+        return (f"{host}: {ev.get('n')} process(es) still running {grace:g} s after the stop signal were "
+                f"killed ({names}); a script that saves a checkpoint when stopped may need more time: "
+                "--grace SECONDS (torchrun waits 30); or a handler ignores the signal or waits on ranks "
+                "already stopped (Lightning's SIGTERM handler can)")
+    if ev.get("ev") == "leftover":
+        return (f"{host}: the job's launcher ended; stopping {ev.get('n')} process(es) it left running "
+                f"({names}): corral leaves nothing behind on a node")
+    return None

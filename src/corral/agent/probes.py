@@ -112,6 +112,15 @@ def hostname_addresses(hostname=None) -> list:
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 
+def advertises_loopback(resolved):
+    """Whether gloo, given what a node's host name resolves to (in order),
+    would tell the other nodes to connect to a loopback address: it takes the
+    first one, and 127.0.0.1 when there is none (Debian's ``127.0.1.1 host``)."""
+    import ipaddress
+
+    return not resolved or ipaddress.ip_address(resolved[0].split("%")[0]).is_loopback
+
+
 def _hostname_addresses_quickly(seconds=2.0):
     """``hostname_addresses()``, or None when the resolver takes longer (a DNS
     server that does not answer): preflight must not wait on it."""

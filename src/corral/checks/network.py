@@ -13,6 +13,7 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
+from corral.agent.probes import advertises_loopback
 from corral.checks.base import (
     ERROR,
     OK,
@@ -166,8 +167,7 @@ def _gloo_guess(host: str, f: Mapping[str, Any], best: str | None) -> list[Findi
     resolved = f.get("hostname_addresses")  # in getaddrinfo's order: gloo takes the first
     if resolved is None:  # facts of an older corral
         resolved = (f.get("resolve") or {}).get(hostname) or []
-    loopback = [a for a in resolved if ipaddress.ip_address(a.split("%")[0]).is_loopback]
-    if resolved and resolved[0] not in loopback:
+    if not advertises_loopback(resolved):
         return []
     what = (f"resolves to {resolved[0]} (loopback){' first' if len(resolved) > 1 else ''}" if resolved
             else "does not resolve (gloo then uses 127.0.0.1)")

@@ -12,11 +12,9 @@ Host key checking is never turned off.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import re
-import struct
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,6 +190,9 @@ def locked_keys(argv: list[str]) -> list[str]:
 
 def _has_passphrase(path: str) -> bool:
     """Whether a private key file is encrypted (OpenSSH or PEM format)."""
+    import base64  # only on an authentication failure: not on every exec's start-up
+    import struct
+
     try:
         with open(path, "rb") as f:
             text = f.read(1 << 16).decode("ascii", "replace")
@@ -333,10 +334,9 @@ def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
         for pattern, kind, message, hint in _RULES:
             if re.search(pattern, text):
                 return HostError(host.name, message, hint=hint.format(name=host.name), kind=kind)
-    ate = SHELL_READ_INPUT.search(text)
-    if ate:
-        line = next(ln for ln in text.splitlines() if SHELL_READ_INPUT.search(ln))
-        return shell_read_input(host, line)
+    ate = next((ln for ln in text.splitlines() if SHELL_READ_INPUT.search(ln)), None)
+    if ate is not None:
+        return shell_read_input(host, ate)
     if returncode == 127 or re.search(r"(not found|No such file or directory)", text):
         return HostError(
             host.name,
