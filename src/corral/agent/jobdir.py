@@ -13,6 +13,11 @@ import shutil
 import socket
 import tempfile
 
+try:  # on a node, modules are installed under their wire names
+    from corral_agent_private import private_dir
+except ImportError:  # imported as part of the corral package (tests, head)
+    from corral.agent.private import private_dir
+
 #: A failed job whose temporary directory has less free space than this filled it.
 TMP_FULL_BYTES = 1 << 20
 
@@ -49,25 +54,31 @@ class JobDir:
             self.path = tmp
             self.root = root
             for _ in range(3):  # another job may remove an empty root between our mkdirs
+                # Both made 0700 or checked (ours, not a symlink, writable only
+                # by us): /tmp's `corral-<uid>` is a name anyone can take first.
+                private_dir(root, base)
                 try:
-                    os.mkdir(root, 0o700)
-                except FileExistsError:
-                    pass
-                try:
-                    os.mkdir(tmp, 0o700)
+                    private_dir(tmp, root)  # an existing one: this job's own (same run id and attempt)
                     break
-                except FileExistsError:
-                    break  # this job's own (same run id and attempt)
                 except FileNotFoundError:
                     continue
             else:
-                os.mkdir(tmp, 0o700)  # raises with the reason
+                private_dir(tmp, root)  # raises with the reason
         else:
             self.path = tmp
-            os.makedirs(tmp, mode=0o700, exist_ok=True)
-        os.makedirs(os.path.join(tmp, "logs"), mode=0o700, exist_ok=True)
-        os.makedirs(os.path.join(tmp, "hook"), mode=0o700, exist_ok=True)
+            private_dir(tmp)
+        for sub in ("logs", "hook"):
+            private_dir(os.path.join(tmp, sub), tmp)
         return tmp
+
+    def write_hook(self, source: str) -> str:
+        """The rank hook (``hook/sitecustomize.py``), a new file of ours; its directory."""
+        hook_dir = os.path.join(self.path, "hook")
+        fd = os.open(os.path.join(hook_dir, "sitecustomize.py"),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        return hook_dir
 
     def remove(self) -> None:
         if self.path and not self.keep:

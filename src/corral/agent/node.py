@@ -38,6 +38,7 @@ try:  # on a node, modules are installed under their wire names
     from corral_agent_jobdir import JobDir
     from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment
     from corral_agent_prescan import env_mismatch
+    from corral_agent_private import UnsafePlace
     from corral_agent_prewarm import PREWARM_FIXED, PREWARM_SENSITIVE, prewarm_program
     from corral_agent_proctree import (
         become_subreaper,
@@ -51,6 +52,7 @@ except ImportError:  # imported as part of the corral package (tests, head)
     from corral.agent.jobdir import JobDir
     from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment
     from corral.agent.prescan import env_mismatch
+    from corral.agent.private import UnsafePlace
     from corral.agent.prewarm import PREWARM_FIXED, PREWARM_SENSITIVE, prewarm_program
     from corral.agent.proctree import (
         become_subreaper,
@@ -106,6 +108,18 @@ def limit_note(e: BaseException) -> str:
                 "out of processes: raise it, e.g. in /etc/security/limits.conf)"
                 % ("unlimited" if soft == resource.RLIM_INFINITY else soft))
     return ""
+
+
+def planned_ranks(spec: dict):
+    """This node's global ranks, from the plan (``ranks``: first and count),
+    else every rank of the job's ``WORLD_SIZE``; None when neither says."""
+    try:
+        first, count = spec["ranks"]
+        return range(int(first), int(first) + int(count))
+    except (KeyError, TypeError, ValueError):
+        pass
+    world = str((spec.get("env") or {}).get("WORLD_SIZE", ""))
+    return range(int(world)) if world.isdigit() else None
 
 
 class Agent:
@@ -178,9 +192,15 @@ class Agent:
         try:
             tmp = self.job_dir.make(spec)
             log_dir = os.path.join(tmp, "logs")
-            hook_dir = os.path.join(tmp, "hook")
-            with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as f:
-                f.write(spec["hook_source"])
+            hook_dir = self.job_dir.write_hook(spec["hook_source"])
+        except UnsafePlace as e:
+            import socket
+
+            self.chan.send(ev="fatal", kind="unsafe-tmp",
+                           t="on %s, the job's directory: %s; nothing was started (%s)"
+                             % (socket.gethostname(), e, e.hint))
+            self.job_dir.path = self.job_dir.root = None  # not ours: never removed
+            return
         except OSError as e:
             self.chan.send(ev="fatal", t="cannot create %s: %s (the job's files go to its $TMPDIR, else "
                                          "/tmp: free space there, or set TMPDIR for this host with `env` "
@@ -226,7 +246,7 @@ class Agent:
             t = threading.Thread(target=pump_pipe, args=(pipe, relay), daemon=True)
             t.start()
             self.pumps.append(t)
-        self.tailer = RankTailer(self.chan, log_dir)
+        self.tailer = RankTailer(self.chan, log_dir, planned_ranks(spec))
         self.tailer.start()
         self.chan.send(ev="started", pid=self.proc.pid)
 

@@ -115,12 +115,18 @@ class AgentSession:
         self._tasks = list(self._readers)
         assert self.proc.stdin is not None
         self.proc.stdin.write(payload())
+
+        async def hello() -> None:
+            # The payload (over 128 KiB) fills the pipe and asyncio's buffer:
+            # a login that never reads it must time out here too.
+            try:
+                await self.proc.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            await asyncio.shield(self._hello)
+
         try:
-            await self.proc.stdin.drain()
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        try:
-            await asyncio.wait_for(asyncio.shield(self._hello), timeout)
+            await asyncio.wait_for(hello(), timeout)
         except asyncio.TimeoutError:
             await self.kill()
             raise HostError(self.name, f"no answer from the agent within {timeout:.0f}s",
