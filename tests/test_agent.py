@@ -693,3 +693,118 @@ def test_a_work_directory_in_the_home_directory_is_the_nodes_own(tmp_path, monke
 
     asyncio.run(main())
     assert (home / "proj" / "here").read_text() == str(home / "proj")
+
+
+@pytest.mark.parametrize("kind", ["open", "link"])
+def test_a_job_dir_root_another_user_made_first_is_refused_and_nothing_runs(kind: str, tmp_path) -> None:
+    """Reproduced as a real attack: nobody made ``corral-<uid>`` first in the
+    job's TMPDIR (mode 0777, or a link to its own directory), then swapped the
+    job's directory for one with its own ``hook/sitecustomize.py``, which every
+    rank imports.  The node now refuses to use it, says so naming the host, and
+    starts nothing."""
+    import socket
+
+    from attacker import prepare, shared_place
+
+    from corral.agent.bundle import hook_source
+
+    events: list[dict] = []
+    ran = tmp_path / "ran"
+    with shared_place() as tmp:
+        root = tmp / f"corral-{os.getuid()}"
+        prepare(kind, root)
+
+        async def job() -> None:
+            pool = AgentPool(_local(), tag="r-1", on_event=lambda s, e: events.append(e))
+            await pool.open()
+            try:
+                await pool.sessions[0].send(op="start", spec={
+                    "argv": [sys.executable, "-c", f"open({str(ran)!r}, 'w').close()"], "env": {"TMPDIR": str(tmp)},
+                    "cwd": str(tmp_path), "hook_source": hook_source(), "tag": "r-1"})
+                for _ in range(200):
+                    if any(e.get("ev") in ("fatal", "exit") for e in events):
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                await pool.close()
+
+        asyncio.run(job())
+        [fatal] = [e for e in events if e.get("ev") == "fatal"]
+        assert fatal["t"].startswith(f"on {socket.gethostname()}, the job's directory: {root} is not safe to use"), fatal
+        assert "nobody" in fatal["t"] and "TMPDIR" in fatal["t"]
+        assert not ran.exists() and not any(e.get("ev") == "started" for e in events)
+        theirs = root if kind == "open" else tmp / f"corral-{os.getuid()}.theirs"
+        assert list(theirs.iterdir()) == []  # nothing written into their directory
+        assert root.exists() or root.is_symlink()  # and nothing of theirs removed
+
+
+def test_a_fresh_job_dir_is_private_whatever_the_umask(tmp_path) -> None:
+    from attacker import shared_place
+
+    events: list[dict] = []
+    with shared_place() as tmp:
+        async def job() -> None:
+            pool = AgentPool(_local(), tag="r-1", on_event=lambda s, e: events.append(e))
+            await pool.open()
+            try:
+                code = ("import os; d = os.path.dirname(os.environ['CORRAL_LOG_DIR']); print(*(oct(os.lstat(p).st_mode "
+                        "& 0o7777) for p in (os.path.dirname(d), d, d + '/logs', d + '/hook', "
+                        "d + '/hook/sitecustomize.py')))")
+                await pool.sessions[0].send(op="start", spec={
+                    "argv": [sys.executable, "-c", code], "env": {"TMPDIR": str(tmp)},
+                    "cwd": str(tmp_path), "hook_source": "", "tag": "r-1"})
+                await until_exit(events, 10.0)
+            finally:
+                await pool.close()
+
+        old = os.umask(0)
+        try:
+            asyncio.run(job())
+        finally:
+            os.umask(old)
+        assert [e["t"] for e in events if e.get("ev") == "line"] == ["0o700 0o700 0o700 0o700 0o600"]
+        assert list(tmp.iterdir()) == []
+
+
+def test_a_rank_cannot_speak_for_another_rank_or_one_outside_the_node(tmp_path) -> None:
+    """Rank 0 writes rank 1's pid file (with its own pid) and a status saying
+    rank 1 failed, and a log for rank 7 of a 2-rank node.  The agent used to
+    report "rank 1 failed: FakeError" and relay rank 7's lines; now it believes
+    only a pid of its own tree whose environment is not another rank's, a
+    status that names the registered pid, and ranks of the node's plan."""
+    from corral.agent.bundle import hook_source
+
+    events: list[dict] = []
+    rank0 = (
+        "import json, os, time\n"
+        "d = os.environ['CORRAL_LOG_DIR']\n"
+        "json.dump({'exc': 'FakeError: rank 1 failed', 'rank': 1, 'pid': os.getpid()}, open(d + '/rank1.status', 'w'))\n"
+        "open(d + '/rank1.pid', 'w').write(str(os.getpid()))\n"
+        "open(d + '/rank7.log', 'w').write('spoofed line\\n')\n"
+        "time.sleep(1.0)  # alive while the agent looks at the pid it gave\n"
+        "print('rank 0 done')\n"
+    )
+    launcher = ("import os, subprocess, sys\n"
+                f"sys.exit(subprocess.call([sys.executable, '-c', {rank0!r}], env=dict(os.environ, RANK='0')))\n")
+
+    async def job() -> None:
+        pool = AgentPool(_local(), tag="r-1", on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            await pool.sessions[0].send(op="start", spec={
+                "argv": [sys.executable, "-c", launcher], "env": {"WORLD_SIZE": "2"}, "ranks": [0, 2],
+                "cwd": str(tmp_path), "hook_source": hook_source(), "tag": "r-1"})
+            await until_exit(events, 20.0)
+        finally:
+            await pool.close()
+
+    asyncio.run(job())
+    assert [e for e in events if e.get("ev") == "exit"][0]["code"] == 0
+    exits = {e["r"]: e for e in events if e.get("ev") == "rank_exit"}
+    assert list(exits) == [0] and not exits[0].get("exc"), exits
+    lines = [(e.get("r"), e["t"]) for e in events if e.get("ev") == "line"]
+    assert (0, "rank 0 done") in lines and not any(r == 7 for r, _ in lines), lines
+    warnings = " | ".join(e["t"] for e in events if e.get("ev") == "log" and e.get("level") == "warning")
+    assert "rank7.log" in warnings and "not one of this node's ranks (0-1)" in warnings, warnings
+    # (whichever the agent read first: rank 0's own pid file, or the one it wrote for rank 1)
+    assert "rank1.pid" in warnings and ("is rank 0" in warnings or "already another rank's" in warnings), warnings

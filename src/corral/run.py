@@ -394,6 +394,7 @@ class Runner:
                 "env": env,
                 "cwd": node.cwd,
                 "pipe_rank": node.pipe_rank,
+                "ranks": [node.first_rank, node.nproc],  # the agent ignores other ranks' files
                 "hook_source": hook,
                 "tag": f"{plan.run_id}-{number}",
                 "keep_tmp": self.options.keep_node_tmp,

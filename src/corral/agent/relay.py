@@ -8,9 +8,11 @@ event is one JSON line on the agent's protocol channel.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import threading
 import time
 
@@ -205,6 +207,44 @@ def pump_pipe(pipe, relay: Relay) -> None:
     relay.close()
 
 
+def _open_own(path: str) -> int:
+    """A rank file, read-only: a regular file of ours, not a symbolic link
+    (which would relay or parse whatever it points to)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, "not a regular file of this user")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _environ(pid: int) -> dict:
+    """The environment ``pid`` was started with ({} when unreadable)."""
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            data = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for item in data.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return out
+
+
+def _span(ranks) -> str:
+    ranks = sorted(ranks)
+    if not ranks:
+        return "none"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return "%d-%d" % (ranks[0], ranks[-1]) if len(ranks) > 1 else str(ranks[0])
+    return ",".join(map(str, ranks))
+
+
 class RankTailer(threading.Thread):
     """Tail ``rank<N>.log`` (stdout and stderr, in write order) of the rank hook.
 
@@ -214,13 +254,17 @@ class RankTailer(threading.Thread):
     all.
     """
 
-    def __init__(self, chan: Channel, log_dir: str):
+    def __init__(self, chan: Channel, log_dir: str, ranks=None):
         super().__init__(name="tail", daemon=True)
         self.chan = chan
         self.log_dir = log_dir
+        #: This node's planned ranks (None: any); files of other ranks are ignored.
+        self.ranks = ranks
         self.files: dict = {}  # name -> [fd, Relay]
         self.pids: dict = {}  # rank -> pid
         self.exited: set = set()
+        #: Files refused (said once each).
+        self.refused: set = set()
         self.stop_evt = threading.Event()
 
     def run(self) -> None:
@@ -240,21 +284,40 @@ class RankTailer(threading.Thread):
             return
         for name in names:
             base, _, ext = name.partition(".")
-            if not base.startswith("rank") or not base[4:].isdigit():
+            if not base.startswith("rank") or not base[4:].isdigit() or ext not in ("log", "pid"):
                 continue
             rank = int(base[4:])
-            if ext == "log" and name not in self.files:
-                try:
-                    fd = os.open(os.path.join(self.log_dir, name), os.O_RDONLY)
-                except OSError:
-                    continue
+            if name in self.files or name in self.refused or (ext == "pid" and rank in self.pids):
+                continue  # (a refused pid file is read again: the rank's own may replace it)
+            if self.ranks is not None and rank not in self.ranks:
+                self.refuse(name, "rank %d is not one of this node's ranks (%s)" % (rank, _span(self.ranks)))
+                continue
+            try:
+                fd = _open_own(os.path.join(self.log_dir, name))
+            except OSError as e:
+                if not isinstance(e, FileNotFoundError):  # a pid file between its write and rename
+                    self.refuse(name, e.strerror or str(e))
+                continue
+            if ext == "log":
                 self.files[name] = [fd, Relay(self.chan, rank, "log")]
-            elif ext == "pid" and rank not in self.pids:
-                try:
-                    with open(os.path.join(self.log_dir, name)) as f:
-                        self.pids[rank] = int(f.read().strip() or 0)
-                except (OSError, ValueError):
-                    pass
+                continue
+            try:
+                pid = int(os.read(fd, 64).strip() or 0)
+            except ValueError:
+                pid = 0
+            finally:
+                os.close(fd)
+            if (name, pid) in self.refused:
+                continue
+            why = self._pid_doubt(rank, pid)
+            if why is None:
+                self.pids[rank] = pid
+            elif pid > 0 and not os.path.exists("/proc/%d" % pid):
+                # Exited (and reaped) before the agent looked: nothing left to
+                # verify it by; its launcher's report names it.
+                self.refused.add((name, pid))
+            else:
+                self.refuse((name, pid), why)
         for name in sorted(self.files):
             fd, relay = self.files[name]
             while True:
@@ -278,13 +341,51 @@ class RankTailer(threading.Thread):
                         event["code"] = (status >> 8) & 0xFF
                 self.chan.send(ev="rank_exit", r=rank, **event)
 
+    def refuse(self, key, why: str) -> None:
+        """A rank file (``key``: its name, or a pid file's (name, pid)) the
+        agent does not trust: ignored, and said once."""
+        self.refused.add(key)
+        name = key[0] if isinstance(key, tuple) else key
+        self.chan.send(ev="log", level="warning", t="ignored %s in the job's log directory: %s" % (name, why))
+
+    def _pid_doubt(self, rank: int, pid: int):
+        """Why ``pid`` cannot be rank ``rank``'s process; None if it can.
+
+        Only a live process of this agent's own tree, not another rank's,
+        and (for a freshly started interpreter of this job) one whose
+        environment gives it this rank: a rank that wrote another's pid file
+        is not believed, and no process outside the job is watched or
+        signalled."""
+        if pid <= 0:
+            return "not a process id"
+        if pid in self.pids.values():
+            return "process %d is already another rank's" % pid
+        if pid not in descendants(os.getpid()):
+            return "process %d is not one of this job's" % pid
+        env = _environ(pid)
+        if env.get("CORRAL_LOG_DIR") == self.log_dir and env.get("RANK", "").isdigit() \
+                and int(env["RANK"]) != rank:
+            return "process %d is rank %s" % (pid, env["RANK"])
+        return None
+
     def _exception(self, rank: int):
-        path = os.path.join(self.log_dir, "rank%d.status" % rank)
+        """The exception the hook recorded for ``rank``: only from a status
+        that names this rank and its registered process."""
         try:
-            with open(path) as f:
-                return json.load(f).get("exc")
+            fd = _open_own(os.path.join(self.log_dir, "rank%d.status" % rank))
+        except OSError:
+            return None
+        try:
+            with os.fdopen(fd, "rb") as f:
+                status = json.loads(f.read(65536).decode("utf-8", "replace"))
         except (OSError, ValueError):
             return None
+        if not isinstance(status, dict) or status.get("rank") != rank or status.get("pid") != self.pids.get(rank):
+            self.refuse("rank%d.status" % rank, "it does not name rank %d's process %s"
+                        % (rank, self.pids.get(rank)))
+            return None
+        exc = status.get("exc")
+        return exc if isinstance(exc, str) else None
 
     def workers(self) -> list:
         """The Python processes live ranks started themselves (mp.spawn
@@ -301,9 +402,9 @@ class RankTailer(threading.Thread):
             if len(parts) != 3 or parts[2] != "pid" or not parts[0].startswith("rank") or not parts[1].startswith("w"):
                 continue
             try:
-                with open(os.path.join(self.log_dir, name)) as f:
-                    pid, ppid = (int(x) for x in f.read().split())
                 rank = int(parts[0][4:])
+                with os.fdopen(_open_own(os.path.join(self.log_dir, name)), "rb") as f:
+                    pid, ppid = (int(x) for x in f.read(64).split())
             except (OSError, ValueError):
                 continue
             if pid in mine and self.pids.get(rank) == ppid and rank not in self.exited:

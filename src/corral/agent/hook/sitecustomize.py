@@ -13,7 +13,9 @@ Lightning's children set ``LOCAL_RANK`` and ``NODE_RANK``), it:
   training step, and nothing is lost if the head disconnects;
 - records its pid (``rank<N>.pid``) so the agent can tell which rank exited
   first and signal exactly the ranks (never by name);
-- records an uncaught exception's last line (``rank<N>.status``);
+- records an uncaught exception's last line (``rank<N>.status``, with its
+  rank and pid: the agent believes only a pid of its own process tree, within
+  the node's ranks, and only the status that names that rank and pid);
 - enables faulthandler, so a crash in native code (SIGSEGV...) prints where
   in the program it happened into the rank's log;
 - registers a faulthandler stack dump on ``CORRAL_STACK_SIGNAL`` into
@@ -127,8 +129,10 @@ def _corral_install():
                 # torch.multiprocessing.spawn re-raises a worker's error as text
                 # ending in that worker's own exception line: that is the error.
                 text = "%s (in mp.spawn process %s)" % (inner[-1].strip(), getattr(value, "error_index", "?"))
+            # Names its rank and process: the agent believes a status only
+            # from the process it registered for that rank.
             with open(base + ".status", "w") as f:
-                json.dump({"exc": text[:2000]}, f)
+                json.dump({"exc": text[:2000], "rank": rank, "pid": os.getpid()}, f)
         except Exception:
             pass
         previous(etype, value, tb)
