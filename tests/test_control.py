@@ -19,6 +19,7 @@ def tmpdir_env(monkeypatch: pytest.MonkeyPatch):
     """Point TMPDIR somewhere and make tempfile notice (it caches the answer)."""
 
     def use(path: Path) -> None:
+        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # else the socket goes there
         monkeypatch.setenv("TMPDIR", str(path))
         monkeypatch.setattr(tempfile, "tempdir", None)
 
@@ -63,14 +64,16 @@ def test_no_usable_directory_is_a_named_error(tmp_path: Path, tmpdir_env, monkey
     deep = tmp_path / ("z" * 120)
     deep.mkdir()
     tmpdir_env(deep)
-    real_mkdir = Path.mkdir
+    import corral.control
 
-    def no_tmp(self: Path, *a, **kw):
-        if str(self).startswith("/tmp/corral-"):
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_mkdir(self, *a, **kw)
+    real = corral.control.private_dir
 
-    monkeypatch.setattr(Path, "mkdir", no_tmp)
+    def no_tmp(path: str, base: str):
+        if path.startswith("/tmp/corral-"):
+            raise PermissionError(13, "Permission denied", path)
+        return real(path, base)
+
+    monkeypatch.setattr(corral.control, "private_dir", no_tmp)
     with pytest.raises(CorralError) as e:
         control_path("20260101-000000-abcd")
     assert "over 100 bytes" in e.value.message and "TMPDIR" in (e.value.hint or "")
@@ -142,3 +145,34 @@ def test_a_client_that_hangs_up_before_the_answer_is_not_a_traceback(tmp_path: P
 
     asyncio.run(go())
     assert errors == []
+
+
+@pytest.mark.parametrize("kind", ["open", "link", "foreign"])
+def test_a_control_dir_another_user_made_first_is_refused(kind: str, tmpdir_env) -> None:
+    """nobody makes ``corral-<uid>`` first in the shared temp dir: the run's
+    control socket would have gone into a directory of theirs (they could
+    answer `corral stacks`, or take the name).  Now a named error, nothing
+    made there, and `corral stacks` does not look there either."""
+    from attacker import prepare, shared_place
+
+    with shared_place() as tmp:
+        tmpdir_env(tmp)
+        root = tmp / f"corral-{os.getuid()}"
+        prepare(kind, root)
+        with pytest.raises(CorralError) as e:
+            control_path("20260101-000000-abcd")
+        assert f"{root} is not safe to use" in e.value.message and "nobody" in e.value.message, e.value.message
+        assert "TMPDIR" in (e.value.hint or "")
+        assert not (root / "ctl").exists() and not (tmp / f"{root.name}.theirs" / "ctl").exists()
+        with pytest.raises(CorralError, match="not safe to use"):
+            live_controls()
+
+
+def test_the_users_runtime_dir_is_preferred(tmpdir_env, monkeypatch) -> None:
+    short = Path(tempfile.mkdtemp(prefix="cr", dir="/tmp"))
+    tmpdir_env(Path("/nonexistent"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short))
+    path = control_path("20260101-000000-abcd")
+    assert path.parent == short / "corral" / "ctl"
+    assert all((d.stat().st_mode & 0o777) == 0o700 for d in (path.parent, path.parent.parent))
+    shutil.rmtree(short)

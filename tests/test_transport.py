@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -81,3 +82,38 @@ def test_a_login_shell_replaced_by_another_is_named(said: str) -> None:
     assert err.kind == "login-shell" and "a start-up file starts another shell" in err.message
     assert "`ssh gpu2 echo ok`" in err.hint
     assert classify_ssh_failure(Host(name="gpu2"), 127, "bash: python3: command not found\n").kind == "no-python"
+
+
+@pytest.mark.parametrize("kind", ["open", "link"])
+def test_the_ssh_socket_dir_in_the_temp_dir_is_refused_when_another_user_made_it(kind: str, tmp_path, monkeypatch) -> None:
+    """A long home directory name (~/.cache/corral/ssh over the socket path's
+    room) and no XDG_RUNTIME_DIR: ssh's ControlMaster sockets go to
+    $TMPDIR/corral-<uid>/ssh, where nobody made corral-<uid> first.  They
+    went into nobody's directory (a socket there is a login to every node);
+    now a named error."""
+    import tempfile
+
+    from attacker import prepare, shared_place
+
+    from corral.errors import CorralError
+    from corral.transport.ssh import control_dir
+
+    home = tmp_path / ("a-rather-long-home-directory-name-" + "x" * 20)
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    with shared_place() as tmp:
+        monkeypatch.setenv("TMPDIR", str(tmp))
+        monkeypatch.setattr(tempfile, "tempdir", None)
+        root = tmp / f"corral-{os.getuid()}"
+        prepare(kind, root)
+        with pytest.raises(CorralError) as e:
+            control_dir()
+        assert f"{root} is not safe to use" in e.value.message and "nobody" in e.value.message, e.value.message
+        assert not (root / "ssh").exists() and not (tmp / f"{root.name}.theirs" / "ssh").exists()
+        # Once it is gone, the same fallback makes its own, private.
+        shutil.rmtree(f"{root}.theirs", ignore_errors=True)
+        os.unlink(root) if root.is_symlink() else shutil.rmtree(root)
+        assert control_dir() == root / "ssh"
+        assert all(os.lstat(d).st_mode & 0o777 == 0o700 and os.lstat(d).st_uid == os.geteuid()
+                   for d in (root, root / "ssh"))

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from corral.agent.private import UnsafePlace, existing_private_dir, private_dir
 from corral.agent.session import AgentPool
 from corral.errors import CorralError
 from corral.plan import STACK_SIGNAL, LaunchPlan
@@ -38,33 +39,55 @@ def control_path(run_id: str) -> Path:
     """Where this run's head listens: a private directory, a path short enough
     for a unix socket.  ``corral stacks`` reads the path from run.json.
 
-    A long ``$TMPDIR`` (some HPC sites set one per job) would overflow
-    sun_path, so /tmp is used then."""
+    ``$XDG_RUNTIME_DIR`` (the user's own, made by the login) when there is
+    one; else ``corral-<uid>/ctl`` in the temp dir, made 0700 or checked
+    (ours, not a symbolic link, writable only by us): another user can make
+    that name first in a shared /tmp.  A long ``$TMPDIR`` (some HPC sites set
+    one per job) would overflow sun_path, so /tmp is used then."""
     name = f"{run_id}.sock"
-    for tmp in (tempfile.gettempdir(), "/tmp"):
-        base = Path(tmp) / f"corral-{os.getuid()}" / "ctl"
-        if len(os.fsencode(base / name)) > _SUN_PATH_MAX:
+    for base, path in _control_dirs():
+        if len(os.fsencode(path / name)) > _SUN_PATH_MAX:
             continue
         try:
-            base.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(base, 0o700)
+            private_dir(str(path), str(base))
+        except UnsafePlace as e:
+            raise CorralError(f"no safe directory for this run's control socket: {e}", hint=e.hint) from None
         except OSError:
             continue
-        return base / name
+        return path / name
     raise CorralError(
         f"no directory for this run's control socket: {Path(tempfile.gettempdir())} gives a path over "
         f"{_SUN_PATH_MAX} bytes and /tmp is not writable",
         hint="set TMPDIR to a short writable directory, e.g. TMPDIR=/tmp")
 
 
+def _control_dirs() -> list[tuple[Path, Path]]:
+    """(shared place, control directory in it), in the order they are tried."""
+    out = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        out.append((Path(runtime), Path(runtime) / "corral" / "ctl"))
+    for tmp in (tempfile.gettempdir(), "/tmp"):
+        out.append((Path(tmp), Path(tmp) / f"corral-{os.getuid()}" / "ctl"))
+    return out
+
+
 def live_controls() -> dict[str, Path]:
     """Run id -> control socket of every run of this user whose head is
     listening now, wherever it was started (its run directory is under the
-    directory `corral run` was started in, which another shell may not be in)."""
+    directory `corral run` was started in, which another shell may not be in).
+    Only from directories that pass ``private_dir``'s checks: a socket in
+    another user's directory could be theirs."""
     found: dict[str, Path] = {}
-    for tmp in (tempfile.gettempdir(), "/tmp"):
-        base = Path(tmp) / f"corral-{os.getuid()}" / "ctl"
-        for path in sorted(base.glob("*.sock")) if base.is_dir() else ():
+    for tmp, base in _control_dirs():
+        try:
+            if not existing_private_dir(str(base), str(tmp)):
+                continue
+        except UnsafePlace as e:
+            raise CorralError(f"not looking for runs' control sockets there: {e}", hint=e.hint) from None
+        except OSError:
+            continue
+        for path in sorted(base.glob("*.sock")):
             run_id = path.name[: -len(".sock")]
             if run_id in found:
                 continue
@@ -133,8 +156,10 @@ async def stack_snapshot(pool: AgentPool, plan: LaunchPlan, run_dir: Path) -> St
     note = (rendezvous_note(dumps, plan.master_addr, plan.master_port)
             or never_met_note(dumps, plan.world_size))
     path = run_dir / f"stacks-{time.strftime('%H%M%S')}.txt"
-    path.write_text("\n".join(lines + ([note] if note else [])) + "\n\n" + "\n".join(
-        f"===== {dump_title(k)} =====\n{t}" for k, t in sorted(dumps.items(), key=lambda kv: stack_order(kv[0]))))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(fd, "w") as f:
+        f.write("\n".join(lines + ([note] if note else [])) + "\n\n" + "\n".join(
+            f"===== {dump_title(k)} =====\n{t}" for k, t in sorted(dumps.items(), key=lambda kv: stack_order(kv[0]))))
     return StackSnapshot(dumps=dumps, lines=lines, odd=odd, note=note, path=path)
 
 

@@ -197,8 +197,9 @@ class Agent:
             import socket
 
             self.chan.send(ev="fatal", kind="unsafe-tmp",
-                           t="on %s, the job's directory: %s; nothing was started (%s)"
-                             % (socket.gethostname(), e, e.hint))
+                           t="on %s, the job's directory: %s; nothing was started (remove it, after checking "
+                             "what is in it: another user may have made it; or set TMPDIR for this host with "
+                             "`env` in the cluster file)" % (socket.gethostname(), e))
             self.job_dir.path = self.job_dir.root = None  # not ours: never removed
             return
         except OSError as e:

@@ -19,7 +19,8 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from corral.errors import HostError
+from corral.agent.private import UnsafePlace, private_dir
+from corral.errors import CorralError, HostError
 from corral.model import Cluster, Host
 
 #: ssh's own exit code for connection/authentication errors.
@@ -31,29 +32,35 @@ _MAX_CONTROL_DIR = 36  # + "/8hex/" + 40 hex (%C) + ssh's ".XXXXXXXXXXXXXXXX" < 
 
 
 def control_dir() -> Path:
-    """Private directory for ControlMaster sockets (created 0700)."""
-    for path in _control_dir_candidates():
+    """Private directory for ControlMaster sockets: made 0700 or checked
+    (ours, not a symbolic link, writable only by us; ``private_dir``), since
+    the last resort is a predictable name in the shared temp dir."""
+    for base, path in _control_dir_candidates():
         if len(str(path)) > _MAX_CONTROL_DIR:
             continue
         try:
-            path.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(path, 0o700)
+            private_dir(str(path), str(base))
             return path
+        except UnsafePlace as e:
+            raise CorralError(f"no safe directory for ssh's connection sockets: {e}", hint=e.hint) from None
         except OSError:
             continue
     raise HostError("localhost", "no writable directory for ssh control sockets")
 
 
-def _control_dir_candidates() -> Iterator[Path]:
+def _control_dir_candidates() -> Iterator[tuple[Path, Path]]:
+    """(existing place, control directory in it), in the order they are tried."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        yield Path(runtime) / "corral" / "ssh"
-    yield Path.home() / ".cache" / "corral" / "ssh"
+    if runtime and os.path.isabs(runtime):
+        yield Path(runtime), Path(runtime) / "corral" / "ssh"
+    cache = Path.home() / ".cache"
+    yield (cache if cache.is_dir() else Path.home()), cache / "corral" / "ssh"
     # The last resort only: tempfile imports shutil (bz2, lzma...) and
     # gettempdir() probes directories by writing files.
     import tempfile
 
-    yield Path(tempfile.gettempdir()) / f"corral-{os.getuid()}" / "ssh"
+    tmp = Path(tempfile.gettempdir())
+    yield tmp, tmp / f"corral-{os.getuid()}" / "ssh"
 
 
 #: Words every login shell reads as themselves: none of them expands these
@@ -137,7 +144,7 @@ class SSHTransport:
             digest = hashlib.sha1(repr((self.cluster.ssh_config, self.cluster.ssh_options,
                                         host.ssh_options)).encode()).hexdigest()[:8]
             cdir = control_dir() / digest
-            cdir.mkdir(mode=0o700, exist_ok=True)
+            private_dir(str(cdir))
             argv += [
                 "-o", "ControlMaster=auto",
                 "-o", f"ControlPath={cdir}/%C",
