@@ -10,7 +10,9 @@ Layout (documented in docs/run.md; ``corral diagnose RUN_DIR`` reads it)::
 Progress-bar redraws are kept as written (terminated by ``\\r``) so the log is
 the full text; the console shows them as one live status line instead.
 Files are opened on first use and flushed as lines arrive, so a run that is
-killed still leaves complete logs up to that point.
+killed still leaves complete logs up to that point.  The run directory is
+0700 and its files 0600, whatever the umask: a log holds whatever a rank
+printed, tokens included.
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ class RunLogs:
 
     def __init__(self, root: Path, run_id: str, on_error: Callable[[str], None] | None = None):
         self.dir = Path(root) / run_id
-        self.dir.mkdir(parents=True, exist_ok=False)
+        Path(root).mkdir(parents=True, exist_ok=True)
+        # 0700 and 0600 whatever the umask: logs hold whatever a rank printed
+        # (tokens, paths, data), not for the other users of the machine.
+        self.dir.mkdir(mode=0o700)
+        os.chmod(self.dir, 0o700)
         self._files: dict[tuple[str, int | None], IO[str]] = {}
         self._last_flush = 0.0
         #: Why the logs stopped being written (a full disk), once that happened.
@@ -69,8 +75,9 @@ class RunLogs:
         f = self._files.get(key)
         if f is None:
             path = self.path_for(host, rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            f = open(path, "a", encoding="utf-8", errors="replace")
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            f = open(fd, "a", encoding="utf-8", errors="replace")
             self._files[key] = f
         return f
 
@@ -118,6 +125,7 @@ class RunLogs:
         tmp = self.dir / (RUN_FILE + ".tmp")
         try:
             tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+            os.chmod(tmp, 0o600)  # in the 0700 run directory: never readable by others meanwhile
             os.replace(tmp, self.dir / RUN_FILE)
         except OSError as e:
             try:
