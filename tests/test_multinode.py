@@ -559,6 +559,32 @@ def test_a_bashrc_that_execs_another_shell_is_named_at_once(sandbox, workdir: Pa
     assert_clean(sandbox, within=5)
 
 
+def test_a_job_dir_another_user_made_on_a_node_is_refused_there(sandbox, workdir: Path) -> None:
+    """On one node, user nobody made /tmp/corral-<uid> first (mode 0777): the
+    job's directory, whose hook every rank imports, would have been in it.
+    That node refuses, named, runs nothing, and leaves nobody's directory as
+    it was; the run fails."""
+    node = sandbox.nodes[1]
+    uid = sandbox.exec(node, ["id", "-u"], check=True).stdout.strip()
+    theirs = f"/tmp/corral-{uid}"
+    sandbox.exec(node, ["runuser", "-u", "nobody", "--", "mkdir", "-m", "777", theirs], check=True)
+    try:
+        write(workdir / "mark.py", """
+            import socket
+            open("ran-" + socket.gethostname(), "w").close()
+        """)
+        res = corral(sandbox, ["--launcher", "command", "python", "mark.py"], workdir)
+        assert res.returncode != 0, res.stderr[-3000:]
+        assert f"on {node}, the job's directory: {theirs} is not safe to use: it belongs to nobody" in res.stderr, \
+            res.stderr[-3000:]
+        assert not (workdir / f"ran-{node}").exists()
+        st = sandbox.exec(node, ["stat", "-c", "%U %a", theirs], check=True).stdout.split()
+        assert st == ["nobody", "777"] and sandbox.exec(node, ["ls", "-A", theirs]).stdout == ""
+    finally:
+        sandbox.exec(node, ["rm", "-rf", theirs])
+    assert_clean(sandbox, within=5)
+
+
 def test_missing_interpreter_on_one_node_is_named(sandbox, tmp_path: Path) -> None:
     victim = sandbox.nodes[1]
     text = sandbox.cluster_file.read_text()
