@@ -783,6 +783,7 @@ def test_a_rank_cannot_speak_for_another_rank_or_one_outside_the_node(tmp_path) 
         "open(d + '/rank7.log', 'w').write('spoofed line\\n')\n"
         "time.sleep(1.0)  # alive while the agent looks at the pid it gave\n"
         "print('rank 0 done')\n"
+        "raise ValueError('rank 0 real error')\n"
     )
     launcher = ("import os, subprocess, sys\n"
                 f"sys.exit(subprocess.call([sys.executable, '-c', {rank0!r}], env=dict(os.environ, RANK='0')))\n")
@@ -799,9 +800,9 @@ def test_a_rank_cannot_speak_for_another_rank_or_one_outside_the_node(tmp_path) 
             await pool.close()
 
     asyncio.run(job())
-    assert [e for e in events if e.get("ev") == "exit"][0]["code"] == 0
+    assert [e for e in events if e.get("ev") == "exit"][0]["code"] == 1
     exits = {e["r"]: e for e in events if e.get("ev") == "rank_exit"}
-    assert list(exits) == [0] and not exits[0].get("exc"), exits
+    assert list(exits) == [0] and exits[0]["exc"] == "ValueError: rank 0 real error", exits  # its own: believed
     lines = [(e.get("r"), e["t"]) for e in events if e.get("ev") == "line"]
     assert (0, "rank 0 done") in lines and not any(r == 7 for r, _ in lines), lines
     warnings = " | ".join(e["t"] for e in events if e.get("ev") == "log" and e.get("level") == "warning")
