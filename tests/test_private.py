@@ -68,3 +68,15 @@ def test_a_missing_directory_is_not_made_by_a_reader() -> None:
     with shared_place() as tmp:
         assert existing_private_dir(str(tmp / "corral-0" / "ctl"), str(tmp)) is False
         assert not (tmp / "corral-0").exists()
+
+
+def test_a_runtime_dir_that_is_not_ours_is_not_used() -> None:
+    # After `su`, XDG_RUNTIME_DIR still names the first user's directory.
+    from corral.agent.private import runtime_dir
+
+    with shared_place() as tmp:
+        as_nobody(f"mkdir -m 700 '{tmp}/theirs'")
+        (tmp / "mine").mkdir(mode=0o700)
+        assert runtime_dir({"XDG_RUNTIME_DIR": str(tmp / "theirs")}) is None
+        assert runtime_dir({"XDG_RUNTIME_DIR": str(tmp / "mine")}) == str(tmp / "mine")
+        assert runtime_dir({"XDG_RUNTIME_DIR": "relative"}) is None and runtime_dir({}) is None

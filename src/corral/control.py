@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.agent.private import UnsafePlace, existing_private_dir, private_dir
+from corral.agent.private import UnsafePlace, existing_private_dir, private_dir, runtime_dir
 from corral.agent.session import AgentPool
 from corral.errors import CorralError
 from corral.plan import STACK_SIGNAL, LaunchPlan
@@ -64,8 +64,8 @@ def control_path(run_id: str) -> Path:
 def _control_dirs() -> list[tuple[Path, Path]]:
     """(shared place, control directory in it), in the order they are tried."""
     out = []
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime):
+    runtime = runtime_dir()
+    if runtime:
         out.append((Path(runtime), Path(runtime) / "corral" / "ctl"))
     for tmp in (tempfile.gettempdir(), "/tmp"):
         out.append((Path(tmp), Path(tmp) / f"corral-{os.getuid()}" / "ctl"))

@@ -113,6 +113,21 @@ def _open_child(fd: int, name: str, path: str, create: bool = True) -> int:
     return child
 
 
+def runtime_dir(environ=os.environ) -> str | None:
+    """``$XDG_RUNTIME_DIR`` when it is this user's, as the spec requires
+    (owned by us, 0700): after ``su`` it may still name the first user's."""
+    path = environ.get("XDG_RUNTIME_DIR") or ""
+    if not os.path.isabs(path):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
 def private_dir(path: str, base: str | None = None) -> str:
     """Make or reuse ``path`` as a private directory (0700, ours); return it.
 

@@ -19,7 +19,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from corral.agent.private import UnsafePlace, private_dir
+from corral.agent.private import UnsafePlace, private_dir, runtime_dir
 from corral.errors import CorralError, HostError
 from corral.model import Cluster, Host
 
@@ -50,8 +50,8 @@ def control_dir() -> Path:
 
 def _control_dir_candidates() -> Iterator[tuple[Path, Path]]:
     """(existing place, control directory in it), in the order they are tried."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime):
+    runtime = runtime_dir()
+    if runtime:
         yield Path(runtime), Path(runtime) / "corral" / "ssh"
     cache = Path.home() / ".cache"
     yield (cache if cache.is_dir() else Path.home()), cache / "corral" / "ssh"
