@@ -194,12 +194,11 @@ class Agent:
             log_dir = os.path.join(tmp, "logs")
             hook_dir = self.job_dir.write_hook(spec["hook_source"])
         except UnsafePlace as e:
-            import socket
-
+            # (the head's line names the host)
             self.chan.send(ev="fatal", kind="unsafe-tmp",
-                           t="on %s, the job's directory: %s; nothing was started (remove it, after checking "
+                           t="the job's directory: %s; nothing was started (remove it, after checking "
                              "what is in it: another user may have made it; or set TMPDIR for this host with "
-                             "`env` in the cluster file)" % (socket.gethostname(), e))
+                             "`env` in the cluster file)" % e)
             self.job_dir.path = self.job_dir.root = None  # not ours: never removed
             return
         except OSError as e:

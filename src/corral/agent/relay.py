@@ -380,9 +380,9 @@ class RankTailer(threading.Thread):
                 status = json.loads(f.read(65536).decode("utf-8", "replace"))
         except (OSError, ValueError):
             return None
-        if not isinstance(status, dict) or status.get("rank") != rank or status.get("pid") != self.pids.get(rank):
-            self.refuse("rank%d.status" % rank, "it does not name rank %d's process %s"
-                        % (rank, self.pids.get(rank)))
+        pid = self.pids.get(rank)
+        if not isinstance(status, dict) or status.get("rank") != rank or status.get("pid") != pid:
+            self.refuse("rank%d.status" % rank, "it does not name rank %d's process %s" % (rank, pid))
             return None
         exc = status.get("exc")
         return exc if isinstance(exc, str) else None
