@@ -23,6 +23,10 @@ except ImportError:  # imported as part of the corral package (tests, head)
 TAIL_INTERVAL_S = 0.02
 #: Longest partial line kept before it is sent anyway.
 MAX_PARTIAL = 64 * 1024
+#: Longest line sent (bytes); the rest is dropped as it arrives, never
+#: buffered, and the line ends with a marker saying how much.  The head holds
+#: lines to the same bound (``corral.frames.MAX_LINE``; a test keeps the two equal).
+MAX_LINE = 1024 * 1024
 #: Cursor-up escapes at the end of a segment (tqdm moving back from a bar it
 #: drew lower down), and one of them.
 _CURSOR_UPS = re.compile(rb"(?:\x1b\[\d*A)+$")
@@ -67,6 +71,26 @@ class LineSplitter:
         self.buf = b""
         #: Empty lines held back (see the class docstring).
         self.blank = 0
+        #: Bytes of the current line sent already in pieces, and dropped past ``MAX_LINE``.
+        self.sent = 0
+        self.cut = 0
+
+    def _bounded(self, seg: bytes, more: bool) -> list:
+        """``seg`` as the next piece of the current line (or its end), within
+        ``MAX_LINE``: what is past it only counted; the end of a cut line
+        carries the marker."""
+        room = MAX_LINE - self.sent
+        if len(seg) > room:
+            keep = _char_boundary(seg, room) if room > 0 else 0
+            self.cut += len(seg) - keep
+            seg = seg[:keep]
+        self.sent += len(seg)
+        if more:
+            return [(seg, True)] if seg else []
+        if self.cut:
+            seg += ("\u2026[cut %d bytes]" % self.cut).encode("utf-8")
+        self.sent = self.cut = 0
+        return [(seg, False)]
 
     def _take_up(self, seg: bytes) -> tuple:
         """``seg`` without the cursor-ups it ends with, and whether it had any;
@@ -117,19 +141,19 @@ class LineSplitter:
                 self.blank += 1
                 continue
             lines += self._blanks()
-            lines.append((seg, False))
+            lines += self._bounded(seg, False)
             status = None
         if len(self.buf) > MAX_PARTIAL:
             cut = _char_boundary(self.buf, len(self.buf) - 1)  # keep a trailing '\r' for '\r\n'
             lines += self._blanks()
-            lines.append((self.buf[:cut], True))
+            lines += self._bounded(self.buf[:cut], True)
             self.buf = self.buf[cut:]
         return lines, status
 
     def flush(self) -> list:
         rest, self.buf = self.buf, b""
         rest, _ = self._take_up(rest.rstrip(b"\r"))
-        return self._blanks() + ([(rest, False)] if rest else [])
+        return self._blanks() + (self._bounded(rest, False) if rest or self.sent else [])
 
 
 def _char_boundary(b: bytes, end: int) -> int:
