@@ -135,8 +135,9 @@ def test_a_rank_printing_64_mib_without_a_newline_is_cut_and_the_head_stays_smal
 
 def test_the_head_holds_a_node_that_skips_the_relay_to_the_same_bounds(tmp_path: Path) -> None:
     """A compromised node sends frames directly: a line in endless pieces, a
-    frame with no newline, JSON nested past the parser's stack; the head's
-    reader on a real pipe drops them and goes on."""
+    frame with no newline, JSON nested past the parser's stack, a forged
+    ``closed``, one rank's exit a thousand times; the head's reader on a
+    real pipe drops them, counts them, and goes on."""
     from corral.agent.session import AgentSession
     from corral.frames import MAX_FRAME, MAX_LINE
     from corral.transport.local import LocalTransport
@@ -155,6 +156,7 @@ def test_the_head_holds_a_node_that_skips_the_relay_to_the_same_bounds(tmp_path:
         w(b'{{"ev":"line","r":null,"t":"' + b"z" * (2 * {MAX_FRAME}) + b'"}}\\n')   # over the frame limit
         w(b"[" * 200000 + b"\\n")                  # nested past the parser's stack
         w(b'{{"ev":"closed","error":"forged"}}\\n')  # only the head says a node is lost
+        w(b'{{"ev":"rank_exit","r":0,"code":1}}\\n' * 1000)  # a rank exits once: 999 repeats
         w(b'{{"ev":"line","r":null,"t":"still here"}}\\n')
         sys.stdin.read()
     """))
