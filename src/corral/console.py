@@ -19,6 +19,7 @@ import time
 from typing import TextIO
 
 from corral import ui
+from corral.frames import terminal_safe
 
 _COLORS = ["36", "32", "35", "33", "34", "96", "92", "95", "93", "94"]
 PLAIN_STATUS_EVERY_S = 15.0
@@ -88,12 +89,12 @@ class RunConsole:
         if rank is None and self._launcher_muted:
             return  # launchers narrating the teardown corral started: in launcher.log only
         self._footer.pop((host, rank), None)  # a finished line replaces a bar
-        self._write(self.prefix(host, rank) + ui.terminal_safe(text) + "\n")
+        self._write(self.prefix(host, rank) + terminal_safe(text) + "\n")
 
     def status(self, host: str, rank: int | None, text: str) -> None:
         if rank is None or (self.status_ranks is not None and rank not in self.status_ranks):
             return
-        text = ui.terminal_safe(text)
+        text = terminal_safe(text)
         key = (host, rank)
         if self.tty:
             self._footer[key] = text
@@ -109,7 +110,7 @@ class RunConsole:
     def message(self, text: str) -> None:
         """A corral line among the output (restarts, teardown)."""
         label = "\x1b[1mcorral:\x1b[0m " if self.color else "corral: "
-        self._write(label + ui.terminal_safe(text) + "\n")  # may quote a node (the names of its processes)
+        self._write(label + terminal_safe(text) + "\n")  # may quote a node (the names of its processes)
 
     def stopping(self) -> None:
         """corral is tearing the job down: launchers' own shutdown chatter goes to the logs only."""

@@ -7,7 +7,6 @@ The library never prints; it returns results and raises ``CorralError``.
 
 from __future__ import annotations
 
-import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -18,33 +17,8 @@ if TYPE_CHECKING:
 
     from corral.errors import CorralError
 
-#: Terminal control a rank's (or a node's) text may carry: CSI sequences
-#: (7- and 8-bit), OSC/DCS/SOS/PM/APC strings up to their terminator (or the
-#: end of the text), other escape sequences and a bare ESC, C0 controls but
-#: tab, newline and carriage return, DEL and C1 controls.
-_CONTROL = re.compile(
-    r"\x1b\[[0-?]*[ -/]*[@-~]|\x9b[0-?]*[ -/]*[@-~]"
-    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
-    r"|\x1b[ -/]*[0-~]?"
-    r"|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"
-)
-#: The one kind that passes: colours and text attributes (SGR, ``ESC[...m``).
-_SGR = re.compile(r"\x1b\[[0-9;:]*m")
-
 _out: Console | None = None
 _err: Console | None = None
-
-
-def terminal_safe(text: str) -> str:
-    """``text`` from a node, with every terminal control removed but colours
-    (SGR), tab and carriage return.  A rank's output must not set the
-    window title (OSC 0), write the clipboard (OSC 52), move the cursor over
-    corral's own lines, or send the terminal anything else it would act on."""
-    return _CONTROL.sub(_keep_sgr, text)
-
-
-def _keep_sgr(m: re.Match) -> str:
-    return m.group(0) if _SGR.fullmatch(m.group(0)) else ""
 
 
 def console() -> Console:

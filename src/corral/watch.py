@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from corral.frames import MAX_LINE, cut_marker
+from corral.frames import MAX_LINE, cut_marker, terminal_safe
 from corral.plan import LaunchPlan, NodePlan
 
 #: Lines kept in memory per rank for the failure summary and diagnosis.
@@ -81,6 +81,10 @@ class Failure:
             return f"signal {self.signal}"
 
     def describe(self) -> str:
+        """One line for the summary; what the node said in it cannot drive the terminal."""
+        return terminal_safe(self._describe())
+
+    def _describe(self) -> str:
         where = f"rank {self.rank} on {self.host}" if self.rank is not None else self.host
         if self.kind == "lost":
             return f"{self.host} was lost: {self.reason}"
@@ -441,9 +445,8 @@ class JobWatch:
             if "Traceback (most recent call last)" in lines[i]:
                 start = i
                 break
-        if start is not None:
-            return lines[start:][-n:]
-        return lines[-n:]
+        shown = lines[start:][-n:] if start is not None else lines[-n:]
+        return [terminal_safe(line) for line in shown]  # printed in the summary
 
     def text_for_diagnosis(self, failure: Failure) -> str:
         """Everything the head kept of the failed rank and its node's launcher."""
