@@ -172,6 +172,9 @@ def check_frame(raw: bytes, ranks: range | None) -> Event:
     schema = SCHEMA.get(kind) if type(kind) is str else None
     if schema is None:
         raise FrameError(f"unknown event type {_describe(kind)}")
+    fast = _fast_output(kind, ev, ranks)
+    if fast is not None:
+        return fast
     out: Event = {"ev": kind}
     for name, (check, required) in schema.items():
         if name not in ev:
@@ -186,6 +189,28 @@ def check_frame(raw: bytes, ranks: range | None) -> Event:
                                  f"({where})")
             raise FrameError(f"{kind} event with a bad {name!r} field: {_describe(value)}")
         out[name] = value
+    return out
+
+
+def _fast_output(kind: str, ev: dict, ranks: range | None) -> Event | None:
+    """A well-formed ``line``/``status``/``hb`` (nearly every frame), checked
+    without the per-field calls; None for anything else (the full check then
+    decides, and words the error)."""
+    if kind == "hb":
+        return {"ev": "hb"}
+    if kind not in ("line", "status"):
+        return None
+    r, t, s = ev.get("r", ""), ev.get("t"), ev.get("s", "out")
+    if not (r is None or (type(r) is int and ranks is not None and r in ranks)):
+        return None
+    if type(t) is not str or len(t) > MAX_LINE or type(s) is not str or s not in STREAMS:
+        return None
+    out: Event = {"ev": kind, "r": r, "s": s, "t": t}
+    if kind == "line" and "more" in ev:
+        more = ev["more"]
+        if not _bool(more, None):
+            return None
+        out["more"] = more
     return out
 
 
@@ -204,6 +229,12 @@ class FrameReader:
         """Whole frames in ``data`` (bytes, without the newline), or for a
         frame over the limit the number of bytes it had (an int)."""
         out: list[bytes | int] = []
+        if not self._buf and not self._over:
+            # The common case, no frame half read: whole frames are slices.
+            *whole, last = data.split(b"\n")
+            if all(len(f) <= self.limit for f in whole) and len(last) <= self.limit:
+                self._buf += last
+                return list(whole)
         start = 0
         while start < len(data):
             end = data.find(b"\n", start)

@@ -178,15 +178,23 @@ class AgentSession:
             else:
                 self._protocol_error(str(e))
             return
+        if self._repeated(ev):
+            return
+        self._dispatch(ev)
+
+    def _repeated(self, ev: Event) -> bool:
+        """An event that comes once per job (a rank's exit: once per rank),
+        again: a protocol error (each would be one more failure or notice)."""
         kind = ev["ev"]
         once = kind if kind in ONCE else (kind, ev["r"]) if kind == "rank_exit" else None
-        if once is not None:
-            if once in self._seen:
-                self._protocol_error(f"a second {kind} event" + (f" for rank {ev['r']}" if kind == "rank_exit" else "")
-                                     + " in one job")
-                return
-            self._seen.add(once)
-        self._dispatch(ev)
+        if once is None:
+            return False
+        if once in self._seen:
+            rank = f" for rank {ev['r']}" if kind == "rank_exit" else ""
+            self._protocol_error(f"a second {kind} event{rank} in one job")
+            return True
+        self._seen.add(once)
+        return False
 
     def _login_line(self, text: str) -> None:
         """Before the agent speaks: the login shell's own output (a banner in
