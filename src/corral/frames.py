@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 #: Longest frame (one JSON line) the head reads; a longer one is dropped as
@@ -274,7 +274,6 @@ class ProtocolErrors:
     host: str
     count: int = 0
     first: str | None = None
-    said: list[str] = field(default_factory=list)
 
     def add(self, why: str) -> str | None:
         """Count one dropped frame; the message to say now, if any."""
