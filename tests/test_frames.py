@@ -268,3 +268,20 @@ def test_a_node_flooding_bad_frames_gets_one_warning_and_one_count() -> None:
     said = [errs.add(f"bad {i}") for i in range(1000)]
     assert [s for s in said if s] == [said[0]] and said[0].startswith("gpu3: protocol error: bad 0;")
     assert errs.summary() == "gpu3: 1000 frames were dropped as protocol errors in all (the first: bad 0)"
+
+
+def test_a_rank_outside_the_plan_is_its_nodes_output_labelled_not_a_protocol_error(tmp_path: Path) -> None:
+    # torchrun under --launcher command: its ranks are not the plan's (one
+    # per node).  The node's agent relays them as the node's own output.
+    (tmp_path / "outer.py").write_text(textwrap.dedent("""
+        import os, subprocess, sys
+        print("outer", flush=True)
+        subprocess.run([sys.executable, "-c", "print('from inner rank 5')"], env=dict(os.environ, RANK="5"))
+    """))
+    res = corral(["run", "--launcher", "command", "--", sys.executable, "outer.py"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "protocol error" not in res.stderr, res.stderr[-3000:]
+    [line] = [ln for ln in res.stdout.splitlines() if "from inner rank 5" in ln]
+    assert line.endswith("] [rank 5] from inner rank 5") and not line.startswith("[r5]"), line
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert not list(run_dir.rglob("rank5.log"))

@@ -394,6 +394,7 @@ class Runner:
                 "env": env,
                 "cwd": node.cwd,
                 "pipe_rank": node.pipe_rank,
+                "ranks": [node.ranks.start, node.ranks.stop],  # the only ones the head takes
                 "hook_source": hook,
                 "tag": f"{plan.run_id}-{number}",
                 "keep_tmp": self.options.keep_node_tmp,

@@ -226,7 +226,7 @@ class Agent:
             t = threading.Thread(target=pump_pipe, args=(pipe, relay), daemon=True)
             t.start()
             self.pumps.append(t)
-        self.tailer = RankTailer(self.chan, log_dir)
+        self.tailer = RankTailer(self.chan, log_dir, spec.get("ranks"))
         self.tailer.start()
         self.chan.send(ev="started", pid=self.proc.pid)
 

@@ -178,14 +178,26 @@ class Relay:
 
     STATUS_EVERY_S = 0.1
 
-    def __init__(self, chan: Channel, rank, stream: str):
+    def __init__(self, chan: Channel, rank, stream: str, label: str = ""):
         self.chan = chan
         self.rank = rank
         self.stream = stream
+        #: Put before each line (a rank outside the plan, relayed as its node's own output).
+        self.label = label
+        #: The last line sent was a piece: the next one continues it (no label).
+        self.cont = False
         self.splitter = LineSplitter()
         self.lock = threading.Lock()
         self.pending = None
         self.last_status = 0.0
+
+    def _line(self, line: bytes, more: bool) -> None:
+        text = _text(line) if self.cont else self.label + _text(line)
+        self.cont = more
+        if more:
+            self.chan.send(ev="line", r=self.rank, s=self.stream, t=text, more=1)
+        else:
+            self.chan.send(ev="line", r=self.rank, s=self.stream, t=text)
 
     def feed(self, data: bytes) -> None:
         with self.lock:
@@ -193,10 +205,7 @@ class Relay:
             if lines:
                 self.pending = None  # a finished line supersedes a half-drawn bar
             for line, more in lines:
-                if more:
-                    self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line), more=1)
-                else:
-                    self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line))
+                self._line(line, more)
             if status is not None:
                 self.pending = status
         self.tick()
@@ -205,14 +214,14 @@ class Relay:
         with self.lock:
             now = time.monotonic()
             if self.pending is not None and now - self.last_status >= self.STATUS_EVERY_S:
-                self.chan.send(ev="status", r=self.rank, s=self.stream, t=_text(self.pending))
+                self.chan.send(ev="status", r=self.rank, s=self.stream, t=self.label + _text(self.pending))
                 self.pending = None
                 self.last_status = now
 
     def close(self) -> None:
         with self.lock:
             for line, _ in self.splitter.flush():
-                self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line))
+                self._line(line, False)
 
 
 def pump_pipe(pipe, relay: Relay) -> None:
@@ -236,12 +245,18 @@ class RankTailer(threading.Thread):
     with the status the hook recorded (``rank<N>.status``), so the head learns
     which rank failed first even when the launcher reports it late or not at
     all.
+
+    The head takes only the ranks its plan gave this node (``ranks``, first
+    and last + 1): a rank outside them (a launcher the job starts itself,
+    ``torchrun`` under ``--launcher command``) is relayed as the node's own
+    output, each line labelled ``[rank N]``, and its exit is not reported.
     """
 
-    def __init__(self, chan: Channel, log_dir: str):
+    def __init__(self, chan: Channel, log_dir: str, ranks=None):
         super().__init__(name="tail", daemon=True)
         self.chan = chan
         self.log_dir = log_dir
+        self.ranks = range(ranks[0], ranks[1]) if ranks else None
         self.files: dict = {}  # name -> [fd, Relay]
         self.pids: dict = {}  # rank -> pid
         self.exited: set = set()
@@ -267,13 +282,15 @@ class RankTailer(threading.Thread):
             if not base.startswith("rank") or not base[4:].isdigit():
                 continue
             rank = int(base[4:])
+            planned = self.ranks is None or rank in self.ranks
             if ext == "log" and name not in self.files:
                 try:
                     fd = os.open(os.path.join(self.log_dir, name), os.O_RDONLY)
                 except OSError:
                     continue
-                self.files[name] = [fd, Relay(self.chan, rank, "log")]
-            elif ext == "pid" and rank not in self.pids:
+                relay = Relay(self.chan, rank, "log") if planned else Relay(self.chan, None, "log", "[rank %d] " % rank)
+                self.files[name] = [fd, relay]
+            elif ext == "pid" and rank not in self.pids and planned:
                 try:
                     with open(os.path.join(self.log_dir, name)) as f:
                         self.pids[rank] = int(f.read().strip() or 0)
