@@ -767,9 +767,10 @@ def test_a_fresh_job_dir_is_private_whatever_the_umask(tmp_path) -> None:
 def test_a_rank_cannot_speak_for_another_rank_or_one_outside_the_node(tmp_path) -> None:
     """Rank 0 writes rank 1's pid file (with its own pid) and a status saying
     rank 1 failed, and a log for rank 7 of a 2-rank node.  The agent used to
-    report "rank 1 failed: FakeError" and relay rank 7's lines; now it believes
-    only a pid of its own tree whose environment is not another rank's, a
-    status that names the registered pid, and ranks of the node's plan."""
+    report "rank 1 failed: FakeError" and relay rank 7's lines as rank 7's; now
+    it believes only a pid of its own tree whose environment is not another
+    rank's, a status that names the registered pid, and ranks of the node's
+    plan (rank 7's lines are the node's own output, labelled)."""
     from corral.agent.bundle import hook_source
 
     events: list[dict] = []
@@ -790,6 +791,7 @@ def test_a_rank_cannot_speak_for_another_rank_or_one_outside_the_node(tmp_path) 
         pool = AgentPool(_local(), tag="r-1", on_event=lambda s, e: events.append(e))
         await pool.open()
         try:
+            pool.sessions[0].ranks = range(0, 2)  # the head's plan, as run.py sets it
             await pool.sessions[0].send(op="start", spec={
                 "argv": [sys.executable, "-c", launcher], "env": {"WORLD_SIZE": "2"}, "ranks": [0, 2],
                 "cwd": str(tmp_path), "hook_source": hook_source(), "tag": "r-1"})
@@ -803,7 +805,7 @@ def test_a_rank_cannot_speak_for_another_rank_or_one_outside_the_node(tmp_path) 
     assert list(exits) == [0] and exits[0]["exc"] == "ValueError: rank 0 real error", exits  # its own: believed
     lines = [(e.get("r"), e["t"]) for e in events if e.get("ev") == "line"]
     assert (0, "rank 0 done") in lines and not any(r == 7 for r, _ in lines), lines
+    assert (None, "[rank 7] spoofed line") in lines, lines  # the node's own output, labelled
     warnings = " | ".join(e["t"] for e in events if e.get("ev") == "log" and e.get("level") == "warning")
-    assert "rank7.log" in warnings and "not one of this node's ranks (0-1)" in warnings, warnings
     # (whichever the agent read first: rank 0's own pid file, or the one it wrote for rank 1)
     assert "rank1.pid" in warnings and ("is rank 0" in warnings or "already another rank's" in warnings), warnings

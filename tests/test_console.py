@@ -90,3 +90,21 @@ def test_colour_follows_the_terminal_and_no_color_force_color_term(monkeypatch) 
     monkeypatch.delenv("TERM")
     monkeypatch.setenv("NO_COLOR", "1")
     assert ui.paint("x", "red", stream=TTY()) == "x" and not RunConsole(multi_host=True, out=TTY()).color
+
+
+def test_a_ranks_terminal_controls_never_reach_the_terminal_but_its_colours_do() -> None:
+    """OSC 0 sets the window title, OSC 52 writes the clipboard: a rank's
+    output must not do either on the machine corral runs on."""
+    out = TTY()
+    con = RunConsole(multi_host=False, out=out, color=False, status_ranks=None)
+    con.line("vm", 0, "log", "a\x1b]0;pwned title\x07b\x1b]52;c;ZWNobyBwd25lZA==\x1b\\c")
+    con.line("vm", 0, "log", "\x1b[31mred\x1b[0m\tdone\r \x1bP+q544e\x1b\\\x9b2J\x9d52;c;eA==\x9c\x1bc\x07\x08!")
+    con.status("vm", 1, "\x1b]0;bar title\x0710%")
+    con.message("node: killed 1 process(es) (\x1b]52;c;eA==\x07python)")
+    con.line("vm", 0, "log", "unterminated \x1b]52;c;ZWNobyBwd25lZA==")
+    con.close()
+    text = out.getvalue()
+    for seq in ("\x1b]", "\x1bP", "\x9b", "\x9d", "\x1bc", "\x07", "\x08", "pwned", "ZWNo", "eA=="):
+        assert seq not in text, (seq, text)
+    assert "[r0] abc\n" in text and "[r0] \x1b[31mred\x1b[0m\tdone\r !\n" in text
+    assert "[r1] 10%" in text and "(python)" in text and "[r0] unterminated \n" in text

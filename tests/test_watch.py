@@ -232,3 +232,14 @@ def test_a_traceback_the_script_printed_itself_names_its_exit() -> None:
     _lines(w, "b", 2, "Traceback (most recent call last):\n  File \"t.py\", line 1\nValueError: caught earlier")
     w.event("b", {"ev": "rank_exit", "r": 2, "code": None, "sig": 9, "exc": None})
     assert "ValueError" not in w.root_cause().describe()
+
+
+def test_the_failure_summary_cannot_carry_a_ranks_terminal_controls() -> None:
+    w = watch()
+    osc52 = "\x1b]52;c;ZWNobyBwd25lZA==\x1b\\"
+    w.event("a", {"ev": "line", "r": 1, "s": "log", "t": "Traceback (most recent call last):"})
+    w.event("a", {"ev": "line", "r": 1, "s": "log", "t": f"ValueError: bad{osc52}\x1b]0;title\x07"})
+    w.event("a", {"ev": "rank_exit", "r": 1, "code": 1, "exc": f"ValueError: bad{osc52}"})
+    cause = w.root_cause()
+    assert cause.describe() == "rank 1 on a failed: ValueError: bad (exited with code 1)"
+    assert w.tail_for(cause) == ["Traceback (most recent call last):", "ValueError: bad"]

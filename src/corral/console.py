@@ -13,22 +13,17 @@ interface of ``corral.watch``.
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 import time
 from typing import TextIO
 
 from corral import ui
+from corral.frames import terminal_safe
 
 _COLORS = ["36", "32", "35", "33", "34", "96", "92", "95", "93", "94"]
 PLAIN_STATUS_EVERY_S = 15.0
 REDRAW_EVERY_S = 0.1
-
-
-#: Terminal cursor movement a rank writes (tqdm's position=N bars move up a
-#: line, \x1b[A): corral lays out the screen, so only colours (SGR) pass.
-_CURSOR = re.compile(r"\x1b\[[0-9;?]*[A-HJKSTfhlsu]")
 
 
 def parse_ranks(spec: str) -> set[int] | None:
@@ -94,12 +89,12 @@ class RunConsole:
         if rank is None and self._launcher_muted:
             return  # launchers narrating the teardown corral started: in launcher.log only
         self._footer.pop((host, rank), None)  # a finished line replaces a bar
-        self._write(self.prefix(host, rank) + _CURSOR.sub("", text) + "\n")
+        self._write(self.prefix(host, rank) + terminal_safe(text) + "\n")
 
     def status(self, host: str, rank: int | None, text: str) -> None:
         if rank is None or (self.status_ranks is not None and rank not in self.status_ranks):
             return
-        text = _CURSOR.sub("", text)
+        text = terminal_safe(text)
         key = (host, rank)
         if self.tty:
             self._footer[key] = text
@@ -115,7 +110,7 @@ class RunConsole:
     def message(self, text: str) -> None:
         """A corral line among the output (restarts, teardown)."""
         label = "\x1b[1mcorral:\x1b[0m " if self.color else "corral: "
-        self._write(label + text + "\n")
+        self._write(label + terminal_safe(text) + "\n")  # may quote a node (the names of its processes)
 
     def stopping(self) -> None:
         """corral is tearing the job down: launchers' own shutdown chatter goes to the logs only."""

@@ -67,6 +67,10 @@ class RunLogs:
             self._on_error(self.error)
 
     def path_for(self, host: str, rank: int | None) -> Path:
+        if rank is not None and type(rank) is not int:
+            # Ranks come checked from the head's reader (corral.frames); a
+            # file name is never made of anything else a node sent.
+            raise TypeError(f"a rank is an int, not {type(rank).__name__}")
         name = "launcher.log" if rank is None else f"rank{rank}.log"
         return self.dir / _safe(host) / name
 

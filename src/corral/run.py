@@ -400,7 +400,9 @@ class Runner:
                 "keep_tmp": self.options.keep_node_tmp,
                 "preload": self.spec.preload and self.spec.launcher in PREWARMED,
             }
-            await pool[node.host.name].send(op="start", spec=spec)
+            session = pool[node.host.name]
+            session.ranks = node.ranks  # a frame for any other rank is a protocol error
+            await session.send(op="start", spec=spec)
 
         await asyncio.gather(*(one(n) for n in plan.nodes))
 

@@ -21,10 +21,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from corral.frames import MAX_LINE, cut_marker, terminal_safe
 from corral.plan import LaunchPlan, NodePlan
 
 #: Lines kept in memory per rank for the failure summary and diagnosis.
 TAIL_LINES = 400
+#: Characters kept of each of those lines (an exception line is far shorter;
+#: a rank printing megabyte lines must not hold TAIL_LINES of them).
+TAIL_LINE_CHARS = 4096
 
 #: Errors that mean "my peer went away", not "I broke".
 _PEER_FAILURE = re.compile(
@@ -77,6 +81,10 @@ class Failure:
             return f"signal {self.signal}"
 
     def describe(self) -> str:
+        """One line for the summary; what the node said in it cannot drive the terminal."""
+        return terminal_safe(self._describe())
+
+    def _describe(self) -> str:
         where = f"rank {self.rank} on {self.host}" if self.rank is not None else self.host
         if self.kind == "lost":
             return f"{self.host} was lost: {self.reason}"
@@ -151,8 +159,35 @@ def short_exc(text: str, limit: int = 240) -> str:
     return first + (" ..." if len(lines) > 1 else "")
 
 
-#: Longest line kept whole (characters); a longer one is written in parts.
-MAX_JOINED = 8 * 1024 * 1024
+#: Room for the cut marker the node's relay already put on a line it cut.
+MARKER_ROOM = 64
+
+
+def _tail() -> collections.deque:
+    return collections.deque(maxlen=TAIL_LINES)
+
+
+@dataclass
+class _Pieces:
+    """A line arriving in pieces (the agent marks them ``more``): at most
+    ``MAX_LINE`` characters of it are kept, the rest only counted."""
+
+    parts: list[str] = field(default_factory=list)
+    size: int = 0
+    #: Bytes (UTF-8) dropped past the limit.
+    cut: int = 0
+
+    def add(self, text: str) -> None:
+        room = MAX_LINE + MARKER_ROOM - self.size
+        if len(text) > room:
+            self.cut += len(text[max(room, 0):].encode("utf-8", "surrogatepass"))
+            text = text[:max(room, 0)]
+        if text:
+            self.parts.append(text)
+            self.size += len(text)
+
+    def text(self) -> str:
+        return "".join(self.parts) + (cut_marker(self.cut) if self.cut else "")
 
 
 @dataclass
@@ -162,7 +197,7 @@ class NodeState:
     exit_signal: int | None = None
     exited: bool = False
     lost: str | None = None
-    launcher_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    launcher_tail: collections.deque = field(default_factory=_tail)
 
     @property
     def done(self) -> bool:
@@ -176,9 +211,7 @@ class JobWatch:
         self.plan = plan
         self.sinks = sinks
         self.nodes: dict[str, NodeState] = {n.host.name: NodeState(plan=n) for n in plan.nodes}
-        self.tails: dict[int, collections.deque] = collections.defaultdict(
-            lambda: collections.deque(maxlen=TAIL_LINES)
-        )
+        self.tails: dict[int, collections.deque] = collections.defaultdict(_tail)
         self.failures: list[Failure] = []
         #: Ranks terminated by a signal, held until their node's exit says whether it failed.
         self.soft: dict[str, list[Failure]] = {}
@@ -189,7 +222,7 @@ class JobWatch:
         #: Ranks that exited with code 0 while the job still ran: (seq, host, rank).
         self.clean_exits: list[tuple[int, str, int]] = []
         #: Pieces of a line too long for one event (the agent marks them ``more``).
-        self._pieces: dict[tuple[str, int | None, str], list[str]] = {}
+        self._pieces: dict[tuple[str, int | None, str], _Pieces] = {}
         #: The first traceback each rank printed: (host, rank) -> its exception
         #: line.  A run can succeed with one (the script caught the error and
         #: went on, or exited 0): the summary says so.
@@ -223,7 +256,7 @@ class JobWatch:
             text = self._join(host, rank, ev)
             if text is None:
                 return
-            (self.tails[rank] if rank is not None else node.launcher_tail).append(text)
+            (self.tails[rank] if rank is not None else node.launcher_tail).append(text[:TAIL_LINE_CHARS])
             if rank is not None:
                 self._note_traceback(host, rank, text)
             for s in self.sinks:
@@ -266,27 +299,27 @@ class JobWatch:
         elif kind == "closed":
             if not node.exited:
                 self.lose(host, ev.get("error") or "the connection to its agent closed")
-        elif kind == "fatal":
+        elif kind == "fatal" and not node.exited:  # one failure per node, however many it sends
             self._fail(Failure(host=host, rank=None, kind="start", reason=str(ev.get("t"))))
             node.exited = True
 
     def _join(self, host: str, rank: int | None, ev: dict) -> str | None:
         """The whole line once its last piece arrives (None while more follow);
-        a line is capped at ``MAX_JOINED`` characters, the rest becoming new lines."""
+        a line is cut at ``MAX_LINE`` characters, with a marker saying how
+        much was dropped (the node's relay cuts first; a node that does not
+        is held to the same bound here)."""
         key = (host, rank, ev.get("s", "out"))
         text = ev.get("t", "")
         pieces = self._pieces.get(key)
+        if pieces is None and not ev.get("more") and len(text) <= MAX_LINE + MARKER_ROOM:
+            return text
+        if pieces is None:
+            pieces = self._pieces[key] = _Pieces()
+        pieces.add(text)
         if ev.get("more"):
-            if pieces is None:
-                pieces = self._pieces[key] = []
-            pieces.append(text)
-            if sum(map(len, pieces)) < MAX_JOINED:
-                return None
-            text = ""
-        if pieces:
-            del self._pieces[key]
-            return "".join(pieces) + text
-        return text
+            return None
+        del self._pieces[key]
+        return pieces.text()
 
     def _rank_exit(self, host: str, ev: dict) -> None:
         code, sig, exc = ev.get("code"), ev.get("sig"), ev.get("exc")
@@ -412,9 +445,8 @@ class JobWatch:
             if "Traceback (most recent call last)" in lines[i]:
                 start = i
                 break
-        if start is not None:
-            return lines[start:][-n:]
-        return lines[-n:]
+        shown = lines[start:][-n:] if start is not None else lines[-n:]
+        return [terminal_safe(line) for line in shown]  # printed in the summary
 
     def text_for_diagnosis(self, failure: Failure) -> str:
         """Everything the head kept of the failed rank and its node's launcher."""

@@ -25,6 +25,10 @@ except ImportError:  # imported as part of the corral package (tests, head)
 TAIL_INTERVAL_S = 0.02
 #: Longest partial line kept before it is sent anyway.
 MAX_PARTIAL = 64 * 1024
+#: Longest line sent (bytes); the rest is dropped as it arrives, never
+#: buffered, and the line ends with a marker saying how much.  The head holds
+#: lines to the same bound (``corral.frames.MAX_LINE``; a test keeps the two equal).
+MAX_LINE = 1024 * 1024
 #: Cursor-up escapes at the end of a segment (tqdm moving back from a bar it
 #: drew lower down), and one of them.
 _CURSOR_UPS = re.compile(rb"(?:\x1b\[\d*A)+$")
@@ -69,6 +73,26 @@ class LineSplitter:
         self.buf = b""
         #: Empty lines held back (see the class docstring).
         self.blank = 0
+        #: Bytes of the current line sent already in pieces, and dropped past ``MAX_LINE``.
+        self.sent = 0
+        self.cut = 0
+
+    def _bounded(self, seg: bytes, more: bool) -> list:
+        """``seg`` as the next piece of the current line (or its end), within
+        ``MAX_LINE``: what is past it only counted; the end of a cut line
+        carries the marker."""
+        room = MAX_LINE - self.sent
+        if len(seg) > room:
+            keep = _char_boundary(seg, room) if room > 0 else 0
+            self.cut += len(seg) - keep
+            seg = seg[:keep]
+        self.sent += len(seg)
+        if more:
+            return [(seg, True)] if seg else []
+        if self.cut:
+            seg += ("\u2026[cut %d bytes]" % self.cut).encode("utf-8")
+        self.sent = self.cut = 0
+        return [(seg, False)]
 
     def _take_up(self, seg: bytes) -> tuple:
         """``seg`` without the cursor-ups it ends with, and whether it had any;
@@ -119,19 +143,19 @@ class LineSplitter:
                 self.blank += 1
                 continue
             lines += self._blanks()
-            lines.append((seg, False))
+            lines += self._bounded(seg, False)
             status = None
         if len(self.buf) > MAX_PARTIAL:
             cut = _char_boundary(self.buf, len(self.buf) - 1)  # keep a trailing '\r' for '\r\n'
             lines += self._blanks()
-            lines.append((self.buf[:cut], True))
+            lines += self._bounded(self.buf[:cut], True)
             self.buf = self.buf[cut:]
         return lines, status
 
     def flush(self) -> list:
         rest, self.buf = self.buf, b""
         rest, _ = self._take_up(rest.rstrip(b"\r"))
-        return self._blanks() + ([(rest, False)] if rest else [])
+        return self._blanks() + (self._bounded(rest, False) if rest or self.sent else [])
 
 
 def _char_boundary(b: bytes, end: int) -> int:
@@ -156,14 +180,26 @@ class Relay:
 
     STATUS_EVERY_S = 0.1
 
-    def __init__(self, chan: Channel, rank, stream: str):
+    def __init__(self, chan: Channel, rank, stream: str, label: str = ""):
         self.chan = chan
         self.rank = rank
         self.stream = stream
+        #: Put before each line (a rank outside the plan, relayed as its node's own output).
+        self.label = label
+        #: The last line sent was a piece: the next one continues it (no label).
+        self.cont = False
         self.splitter = LineSplitter()
         self.lock = threading.Lock()
         self.pending = None
         self.last_status = 0.0
+
+    def _line(self, line: bytes, more: bool) -> None:
+        text = _text(line) if self.cont else self.label + _text(line)
+        self.cont = more
+        if more:
+            self.chan.send(ev="line", r=self.rank, s=self.stream, t=text, more=1)
+        else:
+            self.chan.send(ev="line", r=self.rank, s=self.stream, t=text)
 
     def feed(self, data: bytes) -> None:
         with self.lock:
@@ -171,10 +207,7 @@ class Relay:
             if lines:
                 self.pending = None  # a finished line supersedes a half-drawn bar
             for line, more in lines:
-                if more:
-                    self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line), more=1)
-                else:
-                    self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line))
+                self._line(line, more)
             if status is not None:
                 self.pending = status
         self.tick()
@@ -183,14 +216,14 @@ class Relay:
         with self.lock:
             now = time.monotonic()
             if self.pending is not None and now - self.last_status >= self.STATUS_EVERY_S:
-                self.chan.send(ev="status", r=self.rank, s=self.stream, t=_text(self.pending))
+                self.chan.send(ev="status", r=self.rank, s=self.stream, t=self.label + _text(self.pending))
                 self.pending = None
                 self.last_status = now
 
     def close(self) -> None:
         with self.lock:
             for line, _ in self.splitter.flush():
-                self.chan.send(ev="line", r=self.rank, s=self.stream, t=_text(line))
+                self._line(line, False)
 
 
 def pump_pipe(pipe, relay: Relay) -> None:
@@ -252,13 +285,19 @@ class RankTailer(threading.Thread):
     with the status the hook recorded (``rank<N>.status``), so the head learns
     which rank failed first even when the launcher reports it late or not at
     all.
+
+    The head takes only the ranks its plan gave this node (``ranks``, first
+    and last + 1): a rank outside them (a launcher the job starts itself,
+    ``torchrun`` under ``--launcher command``) is relayed as the node's own
+    output, each line labelled ``[rank N]``, and its exit is not reported.
     """
 
     def __init__(self, chan: Channel, log_dir: str, ranks=None):
         super().__init__(name="tail", daemon=True)
         self.chan = chan
         self.log_dir = log_dir
-        #: This node's planned ranks (None: any); files of other ranks are ignored.
+        #: This node's planned ranks (None: any); other ranks' pid and status
+        #: files are ignored, their logs relayed as the node's own output.
         self.ranks = ranks
         self.files: dict = {}  # name -> [fd, Relay]
         self.pids: dict = {}  # rank -> pid
@@ -289,7 +328,8 @@ class RankTailer(threading.Thread):
             rank = int(base[4:])
             if name in self.files or name in self.refused or (ext == "pid" and rank in self.pids):
                 continue  # (a refused pid file is read again: the rank's own may replace it)
-            if self.ranks is not None and rank not in self.ranks:
+            planned = self.ranks is None or rank in self.ranks
+            if not planned and ext == "pid":
                 self.refuse(name, "rank %d is not one of this node's ranks (%s)" % (rank, _span(self.ranks)))
                 continue
             try:
@@ -299,7 +339,11 @@ class RankTailer(threading.Thread):
                     self.refuse(name, e.strerror or str(e))
                 continue
             if ext == "log":
-                self.files[name] = [fd, Relay(self.chan, rank, "log")]
+                # A rank outside the plan (a torchrun of the job's own under
+                # --launcher command) is the node's output, labelled, never
+                # a rank of the job's.
+                relay = Relay(self.chan, rank, "log") if planned else Relay(self.chan, None, "log", "[rank %d] " % rank)
+                self.files[name] = [fd, relay]
                 continue
             try:
                 pid = int(os.read(fd, 64).strip() or 0)

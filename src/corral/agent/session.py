@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from corral.agent.bundle import payload, remote_argv
 from corral.errors import HostError, PreflightError
+from corral.frames import MAX_FRAME, FrameError, FrameReader, ProtocolErrors, check_frame
 from corral.model import Cluster, Host
 from corral.transport import Transport, transport_for
 from corral.transport.ssh import SHELL_READ_INPUT, python_hint, shell_read_input
@@ -32,6 +33,12 @@ from corral.transport.ssh import SHELL_READ_INPUT, python_hint, shell_read_input
 log = logging.getLogger(__name__)
 
 PING_S = 1.0
+#: Events an agent sends at most once per job.
+ONCE = frozenset({"started", "exit", "killed", "leftover"})
+#: How much the channel is read at a time.
+READ_CHUNK = 256 * 1024
+#: Longest line kept of ssh's stderr or of what a login shell printed (characters).
+MAX_NOISE_LINE = 2000
 Event = dict[str, Any]
 EventHandler = Callable[["AgentSession", Event], None]
 
@@ -74,6 +81,14 @@ class AgentSession:
     _lost: asyncio.Future | None = None
     #: An event handler (watch, console, logs) raised once already: said once.
     _handler_failed: bool = False
+    #: The global ranks the head's plan gave this node (set before its job
+    #: starts): a frame for any other rank is a protocol error.
+    ranks: range | None = None
+    #: Frames this node sent that broke the protocol (see ``corral.frames``).
+    protocol_errors: ProtocolErrors | None = None
+    #: Events that come once per job (``ONCE``), and ranks that exited, this
+    #: job: a repeat is a protocol error (each would be a failure, a notice).
+    _seen: set = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -102,7 +117,6 @@ class AgentSession:
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # Ctrl-C reaches the head only; it tears down in order
                 preexec_fn=_pdeathsig,
-                limit=16 * 1024 * 1024,
             )
         except FileNotFoundError as e:
             raise HostError(self.name, f"cannot run {argv[0]!r}: {e.strerror}",
@@ -140,28 +154,68 @@ class AgentSession:
         self._tasks.append(asyncio.create_task(self._ping()))
 
     async def _read_events(self) -> None:
+        """Read frames until the channel ends; each is checked where it enters
+        (``corral.frames``): a bad one is dropped and counted, never acted on."""
         assert self.proc is not None and self.proc.stdout is not None
         reader = self.proc.stdout
+        frames = FrameReader()
         while True:
-            try:
-                line = await reader.readline()
-            except (ValueError, asyncio.LimitOverrunError):
-                continue
-            if not line:
+            data = await reader.read(READ_CHUNK)
+            for frame in frames.feed(data) if data else frames.rest():
+                self.last_heard = time.monotonic()
+                self._frame(frame)
+            if not data:
                 break
-            self.last_heard = time.monotonic()
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                text = line.decode(errors="replace").rstrip()
-                self._stderr.append(text)
-                if not self.hello and text.strip() and len(self.login_output) < 5:
-                    # Before the agent speaks: the login shell's own output
-                    # (a banner in ~/.bashrc), which breaks rsync and scp.
-                    self.login_output.append(text)
-                continue
-            self._dispatch(ev)
         await self._ended()
+
+    def _frame(self, frame: bytes | int) -> None:
+        """One frame (or the size of one over ``MAX_FRAME``, dropped)."""
+        if isinstance(frame, int):
+            if not self.hello:
+                self._login_line(f"(a line of {frame} bytes)")
+            else:
+                self._protocol_error(f"a frame of {frame} bytes, over the limit of {MAX_FRAME}")
+            return
+        try:
+            ev = check_frame(frame, self.ranks)
+        except FrameError as e:
+            if not self.hello and not frame.lstrip().startswith(b"{"):
+                self._login_line(frame.decode(errors="replace").rstrip())
+            else:
+                self._protocol_error(str(e))
+            return
+        if self._repeated(ev):
+            return
+        self._dispatch(ev)
+
+    def _repeated(self, ev: Event) -> bool:
+        """An event that comes once per job (a rank's exit: once per rank),
+        again: a protocol error (each would be one more failure or notice)."""
+        kind = ev["ev"]
+        once = kind if kind in ONCE else (kind, ev["r"]) if kind == "rank_exit" else None
+        if once is None:
+            return False
+        if once in self._seen:
+            rank = f" for rank {ev['r']}" if kind == "rank_exit" else ""
+            self._protocol_error(f"a second {kind} event{rank} in one job")
+            return True
+        self._seen.add(once)
+        return False
+
+    def _login_line(self, text: str) -> None:
+        """Before the agent speaks: the login shell's own output (a banner in
+        ~/.bashrc), which breaks rsync and scp; a few lines kept, cut short."""
+        text = text[:MAX_NOISE_LINE]
+        self._stderr.append(text)
+        if text.strip() and len(self.login_output) < 5:
+            self.login_output.append(text)
+
+    def _protocol_error(self, why: str) -> None:
+        if self.protocol_errors is None:
+            self.protocol_errors = ProtocolErrors(self.name)
+        said = self.protocol_errors.add(why)
+        if said:
+            log.warning("%s", said)
 
     def _dispatch(self, ev: Event) -> None:
         kind = ev.get("ev")
@@ -203,12 +257,20 @@ class AgentSession:
 
     async def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            line = raw.decode(errors="replace").rstrip()
-            self._stderr.append(line)
-            if self._hello is not None and not self._hello.done() and SHELL_READ_INPUT.search(line):
-                # It would wait for more input until the start-up timeout.
-                self._hello.set_exception(shell_read_input(self.host, line))
+        lines = FrameReader(limit=MAX_NOISE_LINE)
+        while True:
+            data = await self.proc.stderr.read(READ_CHUNK)
+            for raw in lines.feed(data) if data else lines.rest():
+                self._stderr_line(b"...(a long line)" if isinstance(raw, int) else raw)
+            if not data:
+                break
+
+    def _stderr_line(self, raw: bytes) -> None:
+        line = raw.decode(errors="replace").rstrip()
+        self._stderr.append(line)
+        if self._hello is not None and not self._hello.done() and SHELL_READ_INPUT.search(line):
+            # It would wait for more input until the start-up timeout.
+            self._hello.set_exception(shell_read_input(self.host, line))
 
     async def _ended(self) -> None:
         """stdout closed: the agent (or ssh) is gone."""
@@ -229,6 +291,9 @@ class AgentSession:
         if self._lost is not None and not self._lost.done():
             self._lost.set_result(err)
         self.closed = True
+        summary = self.protocol_errors.summary() if self.protocol_errors else None
+        if summary:
+            log.warning("%s", summary)
         if self.on_event is not None:
             why = err.message
             if why.startswith(f"{self.name}: "):
@@ -249,6 +314,8 @@ class AgentSession:
     async def send(self, **op: Any) -> None:
         if self.closed or self.proc is None or self.proc.stdin is None:
             return
+        if op.get("op") == "start":
+            self._seen.clear()  # a new job
         try:
             self.proc.stdin.write((json.dumps(op) + "\n").encode())
             await self.proc.stdin.drain()
