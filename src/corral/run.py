@@ -41,7 +41,7 @@ from corral.logs import RunLogs
 from corral.model import Cluster
 from corral.plan import LaunchPlan, RunSpec, build_plan, job_sets
 from corral.preflight import choose_master, local_disk_warning, node_facts, preflight
-from corral.scriptcheck import self_launch_note
+from corral.scriptcheck import local_rank_problem, self_launch_note
 from corral.stacks import (
     fold_keys,
     fold_ranks,
@@ -345,6 +345,11 @@ class Runner:
             _check_shown_ranks(self.options.shown_ranks, plan.world_size)
             if not self._script_checked:
                 self._script_checked = True
+                problem = None if self.spec.module else local_rank_problem(
+                    self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher,
+                    world_size=plan.world_size, args=self.spec.args)
+                if problem:
+                    raise UsageError(problem[0], hint=problem[1])
                 note = None if self.spec.module else self_launch_note(
                     self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher, nproc=plan.nodes[0].nproc,
                     nnodes=len(plan.nodes), args=self.spec.args)
