@@ -202,6 +202,36 @@ def test_each_launchers_own_script_runs_unchanged(sandbox, launcher: str, reques
     assert_clean(sandbox, within=5)
 
 
+def test_accelerate_deepspeed_config_with_pdsh_starts_each_node_once(sandbox, workdir: Path) -> None:
+    """An accelerate config for DeepSpeed with pdsh (accelerate's default) made
+    every node fan the whole job out again (9 launches for 3 nodes, then
+    EADDRINUSE) and left a .deepspeed_env in the project."""
+    write(workdir / "accelerate_config.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: DEEPSPEED
+        deepspeed_config:
+          deepspeed_multinode_launcher: pdsh
+          zero_stage: 2
+    """)
+    write(workdir / "ranks.py", """
+        import os
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print("RANKLINE", os.environ["RANK"], os.environ["WORLD_SIZE"], int(t.item()), flush=True)
+    """)
+    before = set(os.listdir(workdir))
+    res = corral(sandbox, ["--ranks", "all", "--launcher", "accelerate",
+                           "--launcher-arg=--config_file=accelerate_config.yaml", "ranks.py"], workdir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    world = 2 * len(sandbox.nodes)
+    found = sorted(re.findall(r"RANKLINE (\d+) (\d+) (\d+)", res.stdout), key=lambda f: int(f[0]))
+    assert found == [(str(r), str(world), str(world)) for r in range(world)], res.stdout[-3000:]
+    assert set(os.listdir(workdir)) - before <= {"runs"}  # no .deepspeed_env, nothing of the run's
+    assert_clean(sandbox, within=5)
+
+
 # ---------------------------------------------------------------------------
 # failures
 

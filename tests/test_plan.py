@@ -105,6 +105,39 @@ def test_accelerate_keeps_the_mode_the_user_chose(tmp_path) -> None:
     assert "--multi_gpu" in plan(spec, facts=fsdp_default).nodes[0].argv  # an explicit config wins
 
 
+def test_accelerate_deepspeed_on_several_nodes_launches_per_node(tmp_path) -> None:
+    """accelerate's DeepSpeed mode defaults to (or is configured for) pdsh,
+    which fans the whole job out from each node it runs on: corral starts it
+    on every node, so each must start only its own processes (torchrun)."""
+    config = tmp_path / "accelerate_config.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+                      "deepspeed_config:\n  deepspeed_multinode_launcher: pdsh\n  zero_stage: 2\n")
+    per_node = ("--deepspeed_multinode_launcher", "standard")
+
+    def argvs(c: Cluster, *launcher_args: str, mode: str | None = None) -> list[tuple[str, ...]]:
+        spec = RunSpec(program="train.py", launcher="accelerate", run_id="r", launcher_args=launcher_args)
+        facts = {h.name: NodeFacts(gpus=2, accelerate_mode=mode) for h in c.hosts}
+        return [n.argv for n in plan(spec, c, facts=facts).nodes]
+
+    def has(argv: tuple[str, ...]) -> bool:
+        return any(argv[i:i + 2] == per_node for i in range(len(argv)))
+
+    three = cluster(3)
+    for launched in (argvs(three, f"--config_file={config}"), argvs(three, "--use_deepspeed"),
+                     argvs(three, mode="DEEPSPEED")):  # the node's own default config
+        assert all(has(a) for a in launched) and not any("--multi_gpu" in a for a in launched)
+    assert not any(has(a) for a in argvs(cluster(1), f"--config_file={config}"))  # one node: no fan-out
+    assert not any(has(a) for a in argvs(three) + argvs(three, "--use_fsdp"))
+
+
+@pytest.mark.parametrize("arg", ["--deepspeed_multinode_launcher=pdsh", "--deepspeed-hostfile=/job/hostfile"])
+def test_accelerates_own_fan_out_is_refused(arg: str) -> None:
+    from corral.launchers import refuse_owned_options
+
+    with pytest.raises(UsageError, match="conflicts with what corral sets up for accelerate"):
+        refuse_owned_options("accelerate", (arg,))
+
+
 def test_contract_variables_in_script_arguments_are_expanded_per_node() -> None:
     """`--dist-url tcp://$MASTER_ADDR:$MASTER_PORT --machine-rank $NODE_RANK`, as
     detectron2-style scripts are launched; nothing else is touched."""
