@@ -494,6 +494,45 @@ def test_restarts_on_node_private_work_dirs_are_warned_about(sandbox, workdir: P
     assert_clean(sandbox, within=5)
 
 
+def test_a_restart_that_cannot_reconnect_yet_tries_again(sandbox, workdir: Path) -> None:
+    """A node lost in attempt 1 is still cut off when the restart connects:
+    the restart is tried again (after a wait) instead of corral giving up
+    at the first failed reconnect, and run.json records every attempt."""
+    import threading
+
+    write(workdir / "job.py", """
+        import os, time
+        print("attempt", os.environ["CORRAL_ATTEMPT"], "node", os.environ["NODE_RANK"], flush=True)
+        if os.environ["CORRAL_ATTEMPT"] == "1":
+            time.sleep(300)
+    """)
+    victim = sandbox.nodes[1]
+    proc = subprocess.Popen(CORRAL + ["run", "-c", str(sandbox.cluster_file), "--launcher", "command",
+                                      "--ranks", "all", "--max-restarts", "4", "--node-timeout", "3", "job.py"],
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+    try:
+        wait_for_lines(proc, r"attempt 1 node \d", len(sandbox.nodes))
+        sandbox.partition(victim)
+        wait_for_lines(proc, r"could not restart: .*" + victim, 1, timeout=90)
+        sandbox.heal(victim)
+        proc.wait(timeout=120)
+    finally:
+        sandbox.heal(victim)
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(err)
+    assert proc.returncode == 0, text[-3000:]
+    record = json.loads(next((workdir / "runs").glob("*/run.json")).read_text())
+    assert record["status"] == "succeeded" and record["attempts"] == len(record["restarts"]) + 1 >= 3
+    assert f"{victim} was lost" in record["restarts"][0]["failure"]
+    assert all(r["failure"].startswith("could not restart: ") and victim in r["failure"]
+               for r in record["restarts"][1:]), record["restarts"]
+    assert [r["attempt"] for r in record["restarts"]] == list(range(1, record["attempts"]))
+    assert_clean(sandbox, within=15)
+
+
 def test_command_launcher_runs_the_configured_python_and_shows_its_last_lines(sandbox, workdir: Path) -> None:
     # The cluster's `python` (a venv the nodes do not have on PATH) is CORRAL_PYTHON and
     # first on PATH; a node's failing command is summarized with what it last wrote.
