@@ -326,6 +326,42 @@ def test_lightning_main_process_crash_is_named_not_its_childs_echo(sandbox, work
     assert_clean(sandbox, within=5)
 
 
+def test_lightning_ranks_follow_the_trainers_devices_not_the_slots(sandbox, workdir: Path) -> None:
+    """The sandbox's hosts have slots=2; the Trainer starts one process per
+    node: 4 ranks, labelled as Lightning numbers them, WORLD_SIZE 4."""
+    write(workdir / "lit_one.py", """
+        import os
+        import torch, torch.nn as nn
+        import lightning as L
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class M(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Linear(4, 1)
+            def training_step(self, batch, i):
+                x, y = batch
+                return nn.functional.mse_loss(self.net(x), y)
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+            def on_train_start(self):
+                print("RANKLINE", self.global_rank, self.trainer.world_size, os.environ["WORLD_SIZE"], flush=True)
+
+        x = torch.randn(32, 4)
+        trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=4, strategy="ddp", max_epochs=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(M(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
+    """)
+    res = corral(sandbox, ["--ranks", "all", "--launcher", "lightning", "lit_one.py"], workdir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"4 ranks on {len(sandbox.nodes)} node(s)" in res.stderr, res.stderr[-3000:]
+    found = sorted(re.findall(r"\[([^\]/]+)/r(\d+)\] RANKLINE (\d+) (\d+) (\d+)", res.stdout))
+    assert sorted((node, label) for node, label, *_ in found) == sorted(
+        (node, str(i)) for i, node in enumerate(sandbox.nodes)), res.stdout[-3000:]
+    assert all(label == rank and world == env == "4" for _, label, rank, world, env in found), found
+    assert_clean(sandbox, within=5)
+
+
 def test_partitioned_node_is_named_within_15s(sandbox, workdir: Path) -> None:
     write(workdir / "loop.py", LOOP)
     victim = sandbox.nodes[2]

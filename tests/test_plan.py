@@ -169,6 +169,53 @@ def test_lightning_and_command() -> None:
     assert p.nodes[1].env["RANK"] == "1" and p.nodes[1].env["WORLD_SIZE"] == "2"
 
 
+LIGHTNING = """
+import argparse
+import lightning as L
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--devices", type=int, default=1)
+args = parser.parse_args()
+trainer = L.Trainer(accelerator="cpu", devices={devices}, num_nodes={nodes}, strategy="ddp")
+"""
+
+
+def lightning_plan(tmp_path, devices: str, nodes: str = "3", c: Cluster | None = None, **spec_kw):
+    (tmp_path / "fit.py").write_text(LIGHTNING.format(devices=devices, nodes=nodes))
+    c = c or cluster(3)
+    spec = RunSpec(program="fit.py", launcher="lightning", run_id="r", **spec_kw)
+    return build_plan(c, spec, {h.name: NodeFacts(gpus=4) for h in c.hosts}, master_addr="10.0.0.1",
+                      master_port=29400, head_env={}, head_cwd=str(tmp_path))
+
+
+def test_lightning_processes_come_from_the_trainer_not_the_slots(tmp_path) -> None:
+    """slots=2 and Trainer(devices=1) on 3 nodes is 3 processes: ranks 0, 1, 2."""
+    p = lightning_plan(tmp_path, "1")
+    assert p.world_size == 3 and [n.pipe_rank for n in p.nodes] == [0, 1, 2]
+    assert {n.env["WORLD_SIZE"] for n in p.nodes} == {"3"}
+    assert {n.env["CORRAL_NPROC_PER_NODE"] for n in p.nodes} == {"1"}  # the rank hook's LOCAL_RANK arithmetic
+    assert lightning_plan(tmp_path, "args.devices", args=("--devices", "3")).world_size == 9
+    assert lightning_plan(tmp_path, "args.devices").world_size == 3  # the option's default
+    assert lightning_plan(tmp_path, "[0, 1]").world_size == 6
+    assert lightning_plan(tmp_path, '"auto"').world_size == 3  # accelerator="cpu": one per node
+    (tmp_path / "fit.py").write_text("import lightning as L\nL.Trainer(devices='auto', num_nodes=3)\n")
+    c = cluster(3)
+    p = build_plan(c, RunSpec(program="fit.py", launcher="lightning", run_id="r"),
+                   {h.name: NodeFacts(gpus=4) for h in c.hosts}, master_addr="a", master_port=1,
+                   head_env={}, head_cwd=str(tmp_path))
+    assert p.world_size == 12  # auto: one per GPU
+    # what corral cannot read: the hosts' slots, as before (run.py says so)
+    assert lightning_plan(tmp_path, "n_devices").world_size == 6
+
+
+def test_lightning_trainer_that_contradicts_the_run_is_refused(tmp_path) -> None:
+    with pytest.raises(UsageError, match=r"fit.py:8 L.Trainer\(num_nodes=2\) but the cluster has 3 node"):
+        lightning_plan(tmp_path, "1", nodes="2")
+    with pytest.raises(UsageError, match=r"--nproc-per-node 2, but fit.py:8 L.Trainer\(devices=1\)"):
+        lightning_plan(tmp_path, "1", nproc_per_node=2)
+    assert lightning_plan(tmp_path, "2", nproc_per_node=2).world_size == 6
+
+
 def test_nproc_resolution() -> None:
     c = cluster(slots=None)
     p = plan(RunSpec(program="t.py", run_id="r"), c, facts={"node1": NodeFacts(gpus=8), "node2": NodeFacts(gpus=8)})

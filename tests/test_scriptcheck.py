@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from corral.scriptcheck import (
+    lightning_note,
+    lightning_shape,
     local_rank_only,
     local_rank_problem,
     module_for,
@@ -270,3 +272,35 @@ def test_run_refuses_a_local_rank_only_script_before_it_starts(tmp_path: Path) -
     assert res.returncode == 2, res.stdout + res.stderr
     assert "old.py:7 takes its rank only from a --local_rank argument" in " ".join(res.stderr.split())
     assert "alone" not in res.stdout
+
+
+# -- Lightning: the processes the Trainer starts ----------------------------
+
+
+@pytest.mark.parametrize(("call", "args", "devices", "auto", "nodes"), [
+    ("L.Trainer(devices=1, num_nodes=3)", (), 1, False, 3),
+    ("Trainer(devices='2')", (), 2, False, 1),
+    ("pl.Trainer(devices=[0, 1, 2])", (), 3, False, 1),
+    ("Trainer(devices='0,1')", (), 2, False, 1),
+    ("Trainer(max_epochs=1)", (), None, True, 1),  # devices left out: auto
+    ("Trainer(devices=-1)", (), None, True, 1),
+    ("L.Fabric(devices=args.devices, num_nodes=args.num_nodes)", ("--devices", "4", "--num-nodes=2"), 4, False, 2),
+    ("Trainer(devices=args.devices)", (), 1, False, 1),  # the option's default
+    ("Trainer(devices=n, num_nodes=k)", (), None, False, None),  # cannot tell
+])
+def test_the_trainers_devices_and_num_nodes(call: str, args: tuple, devices, auto: bool, nodes) -> None:
+    source = ("import argparse, lightning as L\np = argparse.ArgumentParser()\n"
+              "p.add_argument('--devices', type=int, default=1)\np.add_argument('--num-nodes', type=int)\n"
+              f"args = p.parse_args()\n{call}\n")
+    shape = lightning_shape(source, args)
+    assert shape is not None and shape.line == 6
+    assert (shape.devices, shape.auto, shape.num_nodes) == (devices, auto, nodes)
+
+
+def test_a_trainer_corral_cannot_read_is_said(tmp_path: Path) -> None:
+    (tmp_path / "fit.py").write_text("import lightning as L\nL.Trainer(devices=cfg.n)\n")
+    note = lightning_note("fit.py", tmp_path, args=(), nproc=2, told=False)
+    assert note and note.startswith("fit.py:2 L.Trainer(devices=...) is not a number corral can read")
+    assert lightning_note("fit.py", tmp_path, args=(), nproc=2, told=True) is None  # -n said it
+    (tmp_path / "fit.py").write_text("import lightning as L\nL.Trainer(devices=2)\n")
+    assert lightning_note("fit.py", tmp_path, args=(), nproc=2, told=False) is None

@@ -41,7 +41,7 @@ from corral.model import Cluster
 from corral.plan import LaunchPlan, RunSpec, build_plan, job_sets
 from corral.preflight import choose_master, local_disk_warning, node_facts, preflight
 from corral.runrecord import error_record, failure_record, one_line, plan_record
-from corral.scriptcheck import local_rank_problem, self_launch_note
+from corral.scriptcheck import lightning_note, local_rank_problem, self_launch_note
 from corral.stacks import (
     fold_keys,
     fold_ranks,
@@ -391,6 +391,11 @@ class Runner:
                     world_size=plan.world_size, args=self.spec.args)
                 if problem:
                     raise UsageError(problem[0], hint=problem[1])
+                if self.spec.launcher == "lightning" and not self.spec.module:
+                    note = lightning_note(self.spec.program, Path(self.head_cwd), args=self.spec.args,
+                                          nproc=plan.nodes[0].nproc, told=self.spec.nproc_per_node is not None)
+                    if note:
+                        ui.notice(note)
                 note = None if self.spec.module else self_launch_note(
                     self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher, nproc=plan.nodes[0].nproc,
                     nnodes=len(plan.nodes), args=self.spec.args)

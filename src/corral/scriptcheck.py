@@ -201,6 +201,142 @@ def local_rank_problem(program: str, workdir: Path, *, launcher: str, world_size
             "to every process (DeepSpeed must be installed on the nodes)")
 
 
+# --------------------------------------------------------------------------
+# Lightning: how many processes the Trainer starts on each node
+
+#: The Lightning classes whose ``devices`` / ``num_nodes`` decide the processes.
+_LIGHTNING_CLASSES = frozenset({"Trainer", "Fabric"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class LightningShape:
+    """What a script's ``Trainer(...)`` says about the processes Lightning starts."""
+
+    line: int
+    call: str
+    #: Processes per node; None with ``auto``, or when corral cannot tell.
+    devices: int | None
+    #: ``devices`` left out, ``"auto"`` or ``-1``: one per GPU (one on a CPU node).
+    auto: bool
+    #: ``num_nodes``, when the script says it (None: cannot tell; 1 if left out).
+    num_nodes: int | None
+    #: ``accelerator="cpu"``: one process per node with ``auto``, GPUs or not.
+    cpu: bool = False
+
+
+def _argparse_values(tree: ast.AST, args: tuple[str, ...]) -> dict[str, object]:
+    """``args.X`` for each ``add_argument("--x", default=...)``: the value on
+    the command line ``args``, else the default literal (absent: missing)."""
+    found: dict[str, object] = {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"):
+            continue
+        flags = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        longs = [f for f in flags if f.startswith("--")]
+        kw = {k.arg: k.value for k in node.keywords}
+        dest = kw["dest"].value if isinstance(kw.get("dest"), ast.Constant) else (
+            longs[0][2:].replace("-", "_") if longs else None)
+        if not dest:
+            continue
+        value: object = None
+        if isinstance(kw.get("default"), ast.Constant):
+            value = kw["default"].value
+        for i, arg in enumerate(args):
+            name, eq, given = arg.partition("=")
+            if name in flags:
+                value = given if eq else (args[i + 1] if i + 1 < len(args) else None)
+        found[dest] = value
+    return found
+
+
+def _literal(node: ast.AST | None, options: dict[str, object]) -> object:
+    """The value of a keyword: a literal, or ``args.X`` of an argparse option."""
+    if node is None:
+        return None
+    if isinstance(node, ast.Attribute) and node.attr in options:
+        return options[node.attr]
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _UNKNOWN
+
+
+_UNKNOWN = object()
+
+
+def _count(value: object) -> int | None | object:
+    """Processes for a ``devices`` value: an int, None for "auto", _UNKNOWN."""
+    if isinstance(value, str):
+        value = value.strip()
+        if value == "auto" or value == "-1":
+            return None
+        if value.isdigit():
+            return int(value)
+        if "," in value:  # "0,1": these GPUs
+            return len([v for v in value.split(",") if v.strip()])
+        return _UNKNOWN
+    if isinstance(value, bool):
+        return _UNKNOWN
+    if isinstance(value, int):
+        return None if value == -1 else value
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return _UNKNOWN
+
+
+def lightning_shape(source: str, args: tuple[str, ...] = ()) -> LightningShape | None:
+    """The first ``Trainer(...)`` / ``Fabric(...)`` call of the script and
+    what its ``devices`` and ``num_nodes`` come to (literals, or argparse
+    options as ``args`` gives them or by their defaults); None when the
+    script has no such call or does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and (_dotted(n.func) or "").rpartition(".")[2] in _LIGHTNING_CLASSES]
+    if not calls:
+        return None
+    call = min(calls, key=lambda n: (n.lineno, n.col_offset))
+    options = _argparse_values(tree, args)
+    kw = {k.arg: k.value for k in call.keywords if k.arg}
+    devices = _count(_literal(kw["devices"], options)) if "devices" in kw else None
+    nodes = _literal(kw["num_nodes"], options) if "num_nodes" in kw else 1
+    if isinstance(nodes, str) and nodes.isdigit():
+        nodes = int(nodes)
+    accelerator = _literal(kw.get("accelerator"), options)
+    return LightningShape(
+        line=call.lineno, call=_dotted(call.func) or "Trainer",
+        devices=devices if isinstance(devices, int) else None, auto=devices is None,
+        num_nodes=nodes if isinstance(nodes, int) and not isinstance(nodes, bool) else None,
+        cpu=accelerator == "cpu")
+
+
+def script_lightning_shape(program: str, workdir: Path, args: tuple[str, ...]) -> LightningShape | None:
+    """``lightning_shape`` of the script file (None when it cannot be read here)."""
+    if not program.endswith(".py"):
+        return None
+    path = Path(program) if Path(program).is_absolute() else workdir / program
+    try:
+        return lightning_shape(path.read_text(errors="replace"), args)
+    except OSError:
+        return None
+
+
+def lightning_note(program: str, workdir: Path, *, args: tuple[str, ...], nproc: int,
+                   told: bool) -> str | None:
+    """The notice for a Lightning script whose Trainer's ``devices`` corral
+    cannot read (and ``-n`` did not say): the rank labels and WORLD_SIZE
+    assume ``nproc`` processes per node."""
+    shape = script_lightning_shape(program, workdir, args)
+    if told or shape is None or shape.devices is not None or shape.auto:
+        return None
+    return (f"{program}:{shape.line} {shape.call}(devices=...) is not a number corral can read: it counts "
+            f"{nproc} process(es) per node (the hosts' slots or GPUs); if the Trainer starts another number, "
+            "ranks are labelled wrong and WORLD_SIZE is wrong. Pass -n with the Trainer's devices to say")
+
+
 def relative_import_line(source: str) -> int | None:
     """The line of a relative import (``from .data import X``) the script runs
     at its top level: run as a file (``python pkg/train.py``) it cannot work,
