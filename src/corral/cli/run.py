@@ -39,7 +39,8 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
               help="Per-node launcher: torchrun (default), accelerate, deepspeed, lightning, or command "
                    "(one process per node).")
 @click.option("-n", "--nproc-per-node", type=click.IntRange(min=1), default=None,
-              help="Processes per node. Default: the hosts' slots, else one per GPU, else 1.")
+              help="Processes per node. Default: the hosts' slots, else one per GPU, else 1 "
+                   "(lightning: the script's Trainer(devices=...)).")
 @click.option("-m", "--module", is_flag=True, help="PROGRAM is a Python module (like python -m).")
 @click.option("-e", "--env", "env_flags", multiple=True, metavar="K=V|K",
               help="Set a variable on every node (K=V), or copy this machine's value (K). Repeatable. "
@@ -50,7 +51,8 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
 @click.option("--master-port", type=click.IntRange(1, 65535), default=None,
               help="Rendezvous port on the first node. Default: a free port corral picks there.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Restart the whole job this many times after a failure (scripts resume from their checkpoints).")
+              help="Restart the whole job this many times after a failure (scripts resume from their checkpoints); "
+                   "a restart that cannot reconnect counts, and is tried again after 2, 4, ... 30 s.")
 @click.option("--ranks", "ranks_spec", default="0", show_default=True, metavar="SPEC",
               help="Ranks whose progress bars are shown as live status lines: '0', '0,4', '0-7' or 'all'.")
 @click.option("--node-timeout", type=click.FloatRange(min=2), default=10.0, show_default=True,
