@@ -272,6 +272,9 @@ def test_run_refuses_a_local_rank_only_script_before_it_starts(tmp_path: Path) -
     assert res.returncode == 2, res.stdout + res.stderr
     assert "old.py:7 takes its rank only from a --local_rank argument" in " ".join(res.stderr.split())
     assert "alone" not in res.stdout
+    res = subprocess.run(CORRAL + ["run", "--dry-run", "-n", "2", "old.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert res.returncode == 2 and "takes its rank only from a --local_rank" in " ".join(res.stderr.split())
 
 
 # -- Lightning: the processes the Trainer starts ----------------------------

@@ -24,7 +24,13 @@ from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, new_run_id, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
-from corral.scriptcheck import module_for, relative_import_line, script_and_args, self_launch_note
+from corral.scriptcheck import (
+    local_rank_problem,
+    module_for,
+    relative_import_line,
+    script_and_args,
+    self_launch_note,
+)
 from corral.stacks import fold_ranks
 
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
@@ -300,6 +306,10 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
     if unknown_slots:
         con.print("[yellow]note:[/] some hosts have no slots: processes per node = their GPU count, "
                   "detected at launch (shown here as 1)")
+    problem = None if spec.module else local_rank_problem(spec.program, Path.cwd(), launcher=spec.launcher,
+                                                          world_size=plan.world_size, args=spec.args)
+    if problem:  # the run would refuse it
+        raise UsageError(problem[0], hint=problem[1])
     note = None if spec.module else self_launch_note(spec.program, Path.cwd(), launcher=spec.launcher,
                                                        nproc=plan.nodes[0].nproc, nnodes=len(plan.nodes),
                                                        args=spec.args)
