@@ -41,7 +41,7 @@ from corral.model import Cluster
 from corral.plan import LaunchPlan, RunSpec, build_plan, job_sets
 from corral.preflight import choose_master, local_disk_warning, node_facts, preflight
 from corral.runrecord import error_record, failure_record, one_line, plan_record
-from corral.scriptcheck import lightning_note, local_rank_problem, self_launch_note
+from corral.scriptcheck import script_checks
 from corral.stacks import (
     fold_keys,
     fold_ranks,
@@ -384,22 +384,14 @@ class Runner:
             plan = build_plan(self.cluster, self.spec, facts, master_addr=master, master_port=int(port),
                               head_env=self.head_env, head_cwd=self.head_cwd)
             _check_shown_ranks(self.options.shown_ranks, plan.world_size)
-            if not self._script_checked:
+            if not self._script_checked and not self.spec.module:
                 self._script_checked = True
-                problem = None if self.spec.module else local_rank_problem(
-                    self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher,
-                    world_size=plan.world_size, args=self.spec.args)
+                problem, notes = script_checks(self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher,
+                                               args=self.spec.args, nproc=plan.nodes[0].nproc,
+                                               nnodes=len(plan.nodes), told=self.spec.nproc_per_node is not None)
                 if problem:
                     raise UsageError(problem[0], hint=problem[1])
-                if self.spec.launcher == "lightning" and not self.spec.module:
-                    note = lightning_note(self.spec.program, Path(self.head_cwd), args=self.spec.args,
-                                          nproc=plan.nodes[0].nproc, told=self.spec.nproc_per_node is not None)
-                    if note:
-                        ui.notice(note)
-                note = None if self.spec.module else self_launch_note(
-                    self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher, nproc=plan.nodes[0].nproc,
-                    nnodes=len(plan.nodes), args=self.spec.args)
-                if note:
+                for note in notes:
                     ui.notice(note)
         except BaseException:
             await pool.close()

@@ -337,6 +337,18 @@ def lightning_note(program: str, workdir: Path, *, args: tuple[str, ...], nproc:
             "ranks are labelled wrong and WORLD_SIZE is wrong. Pass -n with the Trainer's devices to say")
 
 
+def script_checks(program: str, workdir: Path, *, launcher: str, args: tuple[str, ...], nproc: int,
+                  nnodes: int, told: bool) -> tuple[tuple[str, str] | None, list[str]]:
+    """Everything the script's source says about this launch, once the
+    processes per node are known: the (message, hint) of a launch that
+    would go silently wrong (refused), and the notices to show."""
+    problem = local_rank_problem(program, workdir, launcher=launcher, world_size=nproc * nnodes, args=args)
+    notes = [self_launch_note(program, workdir, launcher=launcher, nproc=nproc, nnodes=nnodes, args=args)]
+    if launcher == "lightning":
+        notes.insert(0, lightning_note(program, workdir, args=args, nproc=nproc, told=told))
+    return problem, [n for n in notes if n]
+
+
 def relative_import_line(source: str) -> int | None:
     """The line of a relative import (``from .data import X``) the script runs
     at its top level: run as a file (``python pkg/train.py``) it cannot work,
