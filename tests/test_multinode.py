@@ -202,6 +202,36 @@ def test_each_launchers_own_script_runs_unchanged(sandbox, launcher: str, reques
     assert_clean(sandbox, within=5)
 
 
+def test_accelerate_deepspeed_config_with_pdsh_starts_each_node_once(sandbox, workdir: Path) -> None:
+    """An accelerate config for DeepSpeed with pdsh (accelerate's default) made
+    every node fan the whole job out again (9 launches for 3 nodes, then
+    EADDRINUSE) and left a .deepspeed_env in the project."""
+    write(workdir / "accelerate_config.yaml", """
+        compute_environment: LOCAL_MACHINE
+        distributed_type: DEEPSPEED
+        deepspeed_config:
+          deepspeed_multinode_launcher: pdsh
+          zero_stage: 2
+    """)
+    write(workdir / "ranks.py", """
+        import os
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print("RANKLINE", os.environ["RANK"], os.environ["WORLD_SIZE"], int(t.item()), flush=True)
+    """)
+    before = set(os.listdir(workdir))
+    res = corral(sandbox, ["--ranks", "all", "--launcher", "accelerate",
+                           "--launcher-arg=--config_file=accelerate_config.yaml", "ranks.py"], workdir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    world = 2 * len(sandbox.nodes)
+    found = sorted(re.findall(r"RANKLINE (\d+) (\d+) (\d+)", res.stdout), key=lambda f: int(f[0]))
+    assert found == [(str(r), str(world), str(world)) for r in range(world)], res.stdout[-3000:]
+    assert set(os.listdir(workdir)) - before <= {"runs"}  # no .deepspeed_env, nothing of the run's
+    assert_clean(sandbox, within=5)
+
+
 # ---------------------------------------------------------------------------
 # failures
 
@@ -293,6 +323,42 @@ def test_lightning_main_process_crash_is_named_not_its_childs_echo(sandbox, work
     node2 = sandbox.nodes[1]
     assert f"rank 2 on {node2} failed: ValueError: bad batch on global rank 2" in res.stderr, res.stderr[-3000:]
     assert res.returncode == 1
+    assert_clean(sandbox, within=5)
+
+
+def test_lightning_ranks_follow_the_trainers_devices_not_the_slots(sandbox, workdir: Path) -> None:
+    """The sandbox's hosts have slots=2; the Trainer starts one process per
+    node: 4 ranks, labelled as Lightning numbers them, WORLD_SIZE 4."""
+    write(workdir / "lit_one.py", """
+        import os
+        import torch, torch.nn as nn
+        import lightning as L
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class M(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Linear(4, 1)
+            def training_step(self, batch, i):
+                x, y = batch
+                return nn.functional.mse_loss(self.net(x), y)
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+            def on_train_start(self):
+                print("RANKLINE", self.global_rank, self.trainer.world_size, os.environ["WORLD_SIZE"], flush=True)
+
+        x = torch.randn(32, 4)
+        trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=4, strategy="ddp", max_epochs=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(M(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
+    """)
+    res = corral(sandbox, ["--ranks", "all", "--launcher", "lightning", "lit_one.py"], workdir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"4 ranks on {len(sandbox.nodes)} node(s)" in res.stderr, res.stderr[-3000:]
+    found = sorted(re.findall(r"\[([^\]/]+)/r(\d+)\] RANKLINE (\d+) (\d+) (\d+)", res.stdout))
+    assert sorted((node, label) for node, label, *_ in found) == sorted(
+        (node, str(i)) for i, node in enumerate(sandbox.nodes)), res.stdout[-3000:]
+    assert all(label == rank and world == env == "4" for _, label, rank, world, env in found), found
     assert_clean(sandbox, within=5)
 
 
@@ -462,6 +528,45 @@ def test_restarts_on_node_private_work_dirs_are_warned_about(sandbox, workdir: P
         for node in sandbox.nodes:
             sandbox.exec(node, ["rm", "-rf", proj])
     assert_clean(sandbox, within=5)
+
+
+def test_a_restart_that_cannot_reconnect_yet_tries_again(sandbox, workdir: Path) -> None:
+    """A node lost in attempt 1 is still cut off when the restart connects:
+    the restart is tried again (after a wait) instead of corral giving up
+    at the first failed reconnect, and run.json records every attempt."""
+    import threading
+
+    write(workdir / "job.py", """
+        import os, time
+        print("attempt", os.environ["CORRAL_ATTEMPT"], "node", os.environ["NODE_RANK"], flush=True)
+        if os.environ["CORRAL_ATTEMPT"] == "1":
+            time.sleep(300)
+    """)
+    victim = sandbox.nodes[1]
+    proc = subprocess.Popen(CORRAL + ["run", "-c", str(sandbox.cluster_file), "--launcher", "command",
+                                      "--ranks", "all", "--max-restarts", "4", "--node-timeout", "3", "job.py"],
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+    try:
+        wait_for_lines(proc, r"attempt 1 node \d", len(sandbox.nodes))
+        sandbox.partition(victim)
+        wait_for_lines(proc, r"could not restart: .*" + victim, 1, timeout=90)
+        sandbox.heal(victim)
+        proc.wait(timeout=120)
+    finally:
+        sandbox.heal(victim)
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(err)
+    assert proc.returncode == 0, text[-3000:]
+    record = json.loads(next((workdir / "runs").glob("*/run.json")).read_text())
+    assert record["status"] == "succeeded" and record["attempts"] == len(record["restarts"]) + 1 >= 3
+    assert f"{victim} was lost" in record["restarts"][0]["failure"]
+    assert all(r["failure"].startswith("could not restart: ") and victim in r["failure"]
+               for r in record["restarts"][1:]), record["restarts"]
+    assert [r["attempt"] for r in record["restarts"]] == list(range(1, record["attempts"]))
+    assert_clean(sandbox, within=15)
 
 
 def test_command_launcher_runs_the_configured_python_and_shows_its_last_lines(sandbox, workdir: Path) -> None:

@@ -105,6 +105,39 @@ def test_accelerate_keeps_the_mode_the_user_chose(tmp_path) -> None:
     assert "--multi_gpu" in plan(spec, facts=fsdp_default).nodes[0].argv  # an explicit config wins
 
 
+def test_accelerate_deepspeed_on_several_nodes_launches_per_node(tmp_path) -> None:
+    """accelerate's DeepSpeed mode defaults to (or is configured for) pdsh,
+    which fans the whole job out from each node it runs on: corral starts it
+    on every node, so each must start only its own processes (torchrun)."""
+    config = tmp_path / "accelerate_config.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+                      "deepspeed_config:\n  deepspeed_multinode_launcher: pdsh\n  zero_stage: 2\n")
+    per_node = ("--deepspeed_multinode_launcher", "standard")
+
+    def argvs(c: Cluster, *launcher_args: str, mode: str | None = None) -> list[tuple[str, ...]]:
+        spec = RunSpec(program="train.py", launcher="accelerate", run_id="r", launcher_args=launcher_args)
+        facts = {h.name: NodeFacts(gpus=2, accelerate_mode=mode) for h in c.hosts}
+        return [n.argv for n in plan(spec, c, facts=facts).nodes]
+
+    def has(argv: tuple[str, ...]) -> bool:
+        return any(argv[i:i + 2] == per_node for i in range(len(argv)))
+
+    three = cluster(3)
+    for launched in (argvs(three, f"--config_file={config}"), argvs(three, "--use_deepspeed"),
+                     argvs(three, mode="DEEPSPEED")):  # the node's own default config
+        assert all(has(a) for a in launched) and not any("--multi_gpu" in a for a in launched)
+    assert not any(has(a) for a in argvs(cluster(1), f"--config_file={config}"))  # one node: no fan-out
+    assert not any(has(a) for a in argvs(three) + argvs(three, "--use_fsdp"))
+
+
+@pytest.mark.parametrize("arg", ["--deepspeed_multinode_launcher=pdsh", "--deepspeed-hostfile=/job/hostfile"])
+def test_accelerates_own_fan_out_is_refused(arg: str) -> None:
+    from corral.launchers import refuse_owned_options
+
+    with pytest.raises(UsageError, match="conflicts with what corral sets up for accelerate"):
+        refuse_owned_options("accelerate", (arg,))
+
+
 def test_contract_variables_in_script_arguments_are_expanded_per_node() -> None:
     """`--dist-url tcp://$MASTER_ADDR:$MASTER_PORT --machine-rank $NODE_RANK`, as
     detectron2-style scripts are launched; nothing else is touched."""
@@ -134,6 +167,53 @@ def test_lightning_and_command() -> None:
     p = plan(RunSpec(program="nvidia-smi", args=("-L",), launcher="command", run_id="r"))
     assert p.nodes[1].argv == ("nvidia-smi", "-L") and p.nodes[1].nproc == 1
     assert p.nodes[1].env["RANK"] == "1" and p.nodes[1].env["WORLD_SIZE"] == "2"
+
+
+LIGHTNING = """
+import argparse
+import lightning as L
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--devices", type=int, default=1)
+args = parser.parse_args()
+trainer = L.Trainer(accelerator="cpu", devices={devices}, num_nodes={nodes}, strategy="ddp")
+"""
+
+
+def lightning_plan(tmp_path, devices: str, nodes: str = "3", c: Cluster | None = None, **spec_kw):
+    (tmp_path / "fit.py").write_text(LIGHTNING.format(devices=devices, nodes=nodes))
+    c = c or cluster(3)
+    spec = RunSpec(program="fit.py", launcher="lightning", run_id="r", **spec_kw)
+    return build_plan(c, spec, {h.name: NodeFacts(gpus=4) for h in c.hosts}, master_addr="10.0.0.1",
+                      master_port=29400, head_env={}, head_cwd=str(tmp_path))
+
+
+def test_lightning_processes_come_from_the_trainer_not_the_slots(tmp_path) -> None:
+    """slots=2 and Trainer(devices=1) on 3 nodes is 3 processes: ranks 0, 1, 2."""
+    p = lightning_plan(tmp_path, "1")
+    assert p.world_size == 3 and [n.pipe_rank for n in p.nodes] == [0, 1, 2]
+    assert {n.env["WORLD_SIZE"] for n in p.nodes} == {"3"}
+    assert {n.env["CORRAL_NPROC_PER_NODE"] for n in p.nodes} == {"1"}  # the rank hook's LOCAL_RANK arithmetic
+    assert lightning_plan(tmp_path, "args.devices", args=("--devices", "3")).world_size == 9
+    assert lightning_plan(tmp_path, "args.devices").world_size == 3  # the option's default
+    assert lightning_plan(tmp_path, "[0, 1]").world_size == 6
+    assert lightning_plan(tmp_path, '"auto"').world_size == 3  # accelerator="cpu": one per node
+    (tmp_path / "fit.py").write_text("import lightning as L\nL.Trainer(devices='auto', num_nodes=3)\n")
+    c = cluster(3)
+    p = build_plan(c, RunSpec(program="fit.py", launcher="lightning", run_id="r"),
+                   {h.name: NodeFacts(gpus=4) for h in c.hosts}, master_addr="a", master_port=1,
+                   head_env={}, head_cwd=str(tmp_path))
+    assert p.world_size == 12  # auto: one per GPU
+    # what corral cannot read: the hosts' slots, as before (run.py says so)
+    assert lightning_plan(tmp_path, "n_devices").world_size == 6
+
+
+def test_lightning_trainer_that_contradicts_the_run_is_refused(tmp_path) -> None:
+    with pytest.raises(UsageError, match=r"fit.py:8 L.Trainer\(num_nodes=2\) but the cluster has 3 node"):
+        lightning_plan(tmp_path, "1", nodes="2")
+    with pytest.raises(UsageError, match=r"--nproc-per-node 2, but fit.py:8 L.Trainer\(devices=1\)"):
+        lightning_plan(tmp_path, "1", nproc_per_node=2)
+    assert lightning_plan(tmp_path, "2", nproc_per_node=2).world_size == 6
 
 
 def test_nproc_resolution() -> None:

@@ -227,6 +227,44 @@ def test_accelerate_ranks_are_preloaded_and_start_like_fresh(tmp_path: Path) -> 
         assert ["ACCELERATE_USE_CPU", "1"] in fresh["environ"] and fresh["sum"] == 2.0
 
 
+RANDOM_PROBE = """
+    import json, os, random, sys, tempfile, uuid
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+
+    def worker_seed(_):
+        return torch.initial_seed()  # what a DataLoader worker seeds numpy/random from
+
+    facts = {
+        "torch_seed": torch.initial_seed(),
+        "torch_rand": torch.rand(1).item(),
+        "numpy": float(np.random.rand()),
+        "random": random.random(),
+        "uuid4": str(uuid.uuid4()),
+        "tempfile": os.path.basename(tempfile.mktemp()),
+        "pid": os.getpid(),
+        "authkey": __import__("multiprocessing").current_process().authkey.hex(),
+        "worker_seed": next(iter(DataLoader(range(1), num_workers=1, collate_fn=worker_seed))),
+        "preloaded": "torch.distributed.run" in sys.modules,
+    }
+    print("FACTS " + json.dumps(facts))
+"""
+
+
+def test_preloaded_ranks_draw_their_own_random_state(tmp_path: Path) -> None:
+    """Every rank on a node draws its own seeds, numbers, uuids and temp names,
+    preloaded as fresh: ranks that shared torch's generator repeated each
+    other's dropout masks and DataLoader workers' augmentations, silently."""
+    write(tmp_path / "rnd.py", RANDOM_PROBE)
+    preloaded, fresh_runs, outs = preloaded_and_fresh(["-n", "3"], ["rnd.py"], tmp_path, ranks=3)
+    assert not any("fresh interpreters" in out for out in outs)
+    for facts in (preloaded, fresh_runs):
+        for key in facts["[r0]"]:
+            values = [facts[rank][key] for rank in ("[r0]", "[r1]", "[r2]")]
+            assert len(set(values)) == 3, (key, facts)
+
+
 def test_preloaded_rank_exit_code_and_traceback_match_fresh(tmp_path: Path) -> None:
     write(tmp_path / "probe.py", PROBE)
     write(tmp_path / "boom.py", """

@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from corral.scriptcheck import module_for, relative_import_line, self_launch, self_launch_note
+from corral.scriptcheck import (
+    lightning_note,
+    lightning_shape,
+    local_rank_only,
+    local_rank_problem,
+    module_for,
+    relative_import_line,
+    self_launch,
+    self_launch_note,
+)
 
 CORRAL = [sys.executable, "-m", "corral"]
 
@@ -170,3 +179,131 @@ def test_the_module_of_a_file_and_where_to_run_it(tmp_path: Path) -> None:
     assert module_for(pkg / "train.py", tmp_path / "elsewhere") == ("pkg.sub.train", tmp_path / "proj")
     (tmp_path / "loose.py").write_text("")
     assert module_for(tmp_path / "loose.py", tmp_path / "elsewhere") is None
+
+
+# -- a script that joins the job itself, then spawns helpers ---------------
+
+#: init_process_group over env:// (RANK/WORLD_SIZE from torchrun), then
+#: mp.spawn'd data helpers that are not ranks.
+ENV_INIT_THEN_SPAWN = """
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+def helper(i):
+    pass
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    mp.spawn(helper, nprocs=2)
+"""
+
+
+@pytest.mark.parametrize("init", [
+    'dist.init_process_group("gloo")',
+    'dist.init_process_group(backend="gloo", init_method="env://")',
+    'dist.init_process_group("gloo", "env://")',
+    'torch.distributed.init_process_group("nccl", timeout=t)',
+])
+def test_a_rank_that_joins_over_env_and_spawns_helpers_is_left_alone(tmp_path: Path, init: str) -> None:
+    source = ENV_INIT_THEN_SPAWN.replace('dist.init_process_group("gloo")', init)
+    assert self_launch(source) is None
+    (tmp_path / "s.py").write_text(source)
+    assert self_launch_note("s.py", tmp_path, launcher="torchrun", nproc=2) is None
+
+
+@pytest.mark.parametrize("init", [
+    'dist.init_process_group("gloo", rank=0, world_size=2)',  # the tutorial's own rank
+    'dist.init_process_group("gloo", init_method="tcp://localhost:12355")',
+])
+def test_init_with_its_own_rank_or_address_still_counts_as_self_launch(init: str) -> None:
+    assert self_launch(ENV_INIT_THEN_SPAWN.replace('dist.init_process_group("gloo")', init)) is not None
+
+
+# -- the torch.distributed.launch style: --local_rank and nothing else -----
+
+#: The old pytorch/examples and many repositories: the launcher passed
+#: --local_rank, -1 meant "not distributed".
+LOCAL_RANK_ONLY = """
+import argparse
+import torch
+import torch.distributed as dist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=-1)
+args = parser.parse_args()
+if args.local_rank != -1:
+    dist.init_process_group("gloo")
+print("distributed" if dist.is_initialized() else "alone")
+"""
+
+
+def test_a_script_that_takes_its_rank_only_from_local_rank_is_found() -> None:
+    assert local_rank_only(LOCAL_RANK_ONLY) == 7
+    assert local_rank_only(LOCAL_RANK_ONLY.replace('"--local_rank"', '"--local-rank", "--local_rank"')) == 7
+
+
+@pytest.mark.parametrize("change", [
+    ('args = parser.parse_args()', 'args = parser.parse_args()\nargs.local_rank = int(os.environ["LOCAL_RANK"])'),
+    ('import torch\n', 'import torch\nimport deepspeed\n'),  # deepspeed.init_distributed reads the env
+    ('if args.local_rank != -1:\n    dist', 'if True:\n    dist'),  # joins over env:// anyway
+    ('parser.add_argument("--local_rank", type=int, default=-1)\n', ''),  # no --local_rank at all
+])
+def test_scripts_that_read_the_environment_are_not_local_rank_only(change: tuple[str, str]) -> None:
+    assert change[0] in LOCAL_RANK_ONLY
+    assert local_rank_only(LOCAL_RANK_ONLY.replace(*change)) is None
+
+
+def test_local_rank_problem_only_where_the_launcher_passes_no_local_rank(tmp_path: Path) -> None:
+    (tmp_path / "old.py").write_text(LOCAL_RANK_ONLY)
+    message, hint = local_rank_problem("old.py", tmp_path, launcher="torchrun", world_size=4, args=("--lr", "1"))
+    assert message.startswith("old.py:7 takes its rank only from a --local_rank argument")
+    assert "train alone" in message and "LOCAL_RANK" in hint
+    assert "`corral run --launcher deepspeed old.py --lr 1`" in hint
+    assert local_rank_problem("old.py", tmp_path, launcher="accelerate", world_size=2) is not None
+    assert local_rank_problem("old.py", tmp_path, launcher="deepspeed", world_size=4) is None
+    assert local_rank_problem("old.py", tmp_path, launcher="torchrun", world_size=1) is None
+
+
+def test_run_refuses_a_local_rank_only_script_before_it_starts(tmp_path: Path) -> None:
+    """Under torchrun the script would print "alone" twice and succeed."""
+    (tmp_path / "old.py").write_text(LOCAL_RANK_ONLY)
+    res = subprocess.run(CORRAL + ["run", "-n", "2", "old.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "old.py:7 takes its rank only from a --local_rank argument" in " ".join(res.stderr.split())
+    assert "alone" not in res.stdout
+    res = subprocess.run(CORRAL + ["run", "--dry-run", "-n", "2", "old.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert res.returncode == 2 and "takes its rank only from a --local_rank" in " ".join(res.stderr.split())
+
+
+# -- Lightning: the processes the Trainer starts ----------------------------
+
+
+@pytest.mark.parametrize(("call", "args", "devices", "auto", "nodes"), [
+    ("L.Trainer(devices=1, num_nodes=3)", (), 1, False, 3),
+    ("Trainer(devices='2')", (), 2, False, 1),
+    ("pl.Trainer(devices=[0, 1, 2])", (), 3, False, 1),
+    ("Trainer(devices='0,1')", (), 2, False, 1),
+    ("Trainer(max_epochs=1)", (), None, True, 1),  # devices left out: auto
+    ("Trainer(devices=-1)", (), None, True, 1),
+    ("L.Fabric(devices=args.devices, num_nodes=args.num_nodes)", ("--devices", "4", "--num-nodes=2"), 4, False, 2),
+    ("Trainer(devices=args.devices)", (), 1, False, 1),  # the option's default
+    ("Trainer(devices=n, num_nodes=k)", (), None, False, None),  # cannot tell
+])
+def test_the_trainers_devices_and_num_nodes(call: str, args: tuple, devices, auto: bool, nodes) -> None:
+    source = ("import argparse, lightning as L\np = argparse.ArgumentParser()\n"
+              "p.add_argument('--devices', type=int, default=1)\np.add_argument('--num-nodes', type=int)\n"
+              f"args = p.parse_args()\n{call}\n")
+    shape = lightning_shape(source, args)
+    assert shape is not None and shape.line == 6
+    assert (shape.devices, shape.auto, shape.num_nodes) == (devices, auto, nodes)
+
+
+def test_a_trainer_corral_cannot_read_is_said(tmp_path: Path) -> None:
+    (tmp_path / "fit.py").write_text("import lightning as L\nL.Trainer(devices=cfg.n)\n")
+    note = lightning_note("fit.py", tmp_path, args=(), nproc=2, told=False)
+    assert note and note.startswith("fit.py:2 L.Trainer(devices=...) is not a number corral can read")
+    assert lightning_note("fit.py", tmp_path, args=(), nproc=2, told=True) is None  # -n said it
+    (tmp_path / "fit.py").write_text("import lightning as L\nL.Trainer(devices=2)\n")
+    assert lightning_note("fit.py", tmp_path, args=(), nproc=2, told=False) is None

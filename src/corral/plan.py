@@ -25,11 +25,13 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
 from corral.errors import UsageError
 from corral.launchers import MULTI_PROCESS, PLANNERS, REQUIRES, NodeContext
 from corral.model import Cluster, Host
+from corral.scriptcheck import LightningShape, script_lightning_shape
 
 #: Head variables that travel to every node without being named: settings
 #: that tune the stack, never secrets (see ``_SECRET``) and never per-machine
@@ -211,10 +213,19 @@ def parse_env_flags(flags: tuple[str, ...], environ: Mapping[str, str]) -> dict[
     return out
 
 
-def nproc_for(spec: RunSpec, host: Host, facts: NodeFacts) -> int:
-    """Processes on a node: --nproc-per-node, else slots, else GPUs, else 1."""
+def nproc_for(spec: RunSpec, host: Host, facts: NodeFacts, lightning: LightningShape | None = None) -> int:
+    """Processes on a node: --nproc-per-node, else slots, else GPUs, else 1.
+
+    With Lightning, the script's ``Trainer(devices=...)`` starts the
+    processes, whatever the host's slots: its count when the script says it
+    (``lightning``), one per GPU (one on a CPU node) for ``auto``.
+    """
     if spec.launcher not in MULTI_PROCESS:
         return 1
+    if lightning is not None and lightning.devices is not None:
+        return lightning.devices
+    if lightning is not None and lightning.auto and spec.nproc_per_node is None:
+        return 1 if lightning.cpu else (facts.gpus or 1)
     if spec.nproc_per_node is not None:
         return spec.nproc_per_node
     if host.slots is not None:
@@ -222,6 +233,33 @@ def nproc_for(spec: RunSpec, host: Host, facts: NodeFacts) -> int:
     if facts.gpus:
         return facts.gpus
     return 1
+
+
+def lightning_trainer(spec: RunSpec, head_cwd: str, nnodes: int) -> LightningShape | None:
+    """What the Lightning script's Trainer says about its processes (read
+    where corral runs), checked against the cluster and ``-n``: ranks labelled
+    from the host's slots were wrong (``slots=2`` and ``Trainer(devices=1)``:
+    ranks r0, r2, r4, WORLD_SIZE=6, "6 ranks" for a 3-process job)."""
+    if spec.launcher != "lightning" or spec.module:
+        return None
+    shape = script_lightning_shape(spec.program, Path(head_cwd), spec.args)
+    if shape is None:
+        return None
+    where = f"{spec.program}:{shape.line} {shape.call}"
+    if shape.num_nodes is not None and shape.num_nodes != nnodes:
+        raise UsageError(
+            f"{where}(num_nodes={shape.num_nodes}) but the cluster has {nnodes} node(s): Lightning would "
+            "wait for nodes that never join, or give two nodes one node rank",
+            hint=f"make the Trainer's num_nodes {nnodes} (corral sets NODE_RANK on each node), or run on "
+                 f"{shape.num_nodes} host(s)")
+    if (shape.devices is not None and spec.nproc_per_node is not None
+            and shape.devices != spec.nproc_per_node):
+        raise UsageError(
+            f"--nproc-per-node {spec.nproc_per_node}, but {where}(devices={shape.devices}) starts "
+            f"{shape.devices} process(es) per node",
+            hint=f"leave -n out with --launcher lightning (the Trainer's devices decide), or make devices "
+                 f"{spec.nproc_per_node}")
+    return shape
 
 
 def job_sets(name: str, cluster: Cluster, spec: RunSpec, host: Host, head_env: Mapping[str, str]) -> bool:
@@ -242,7 +280,8 @@ def build_plan(
 ) -> LaunchPlan:
     """Every node's argv/env/cwd for this run (pure)."""
     hosts = cluster.hosts
-    nprocs = [nproc_for(spec, h, facts.get(h.name, NodeFacts())) for h in hosts]
+    lightning = lightning_trainer(spec, head_cwd, len(hosts))
+    nprocs = [nproc_for(spec, h, facts.get(h.name, NodeFacts()), lightning) for h in hosts]
     if len(set(nprocs)) > 1:
         detail = ", ".join(f"{h.name}={n}" for h, n in zip(hosts, nprocs))
         raise UsageError(

@@ -21,11 +21,10 @@ result and never prints; the CLI passes a view that does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 import re
 import signal
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,12 +35,13 @@ from corral import ui
 from corral.agent.bundle import hook_source, preload_modules
 from corral.agent.session import AgentPool, AgentSession
 from corral.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
-from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, CorralError, UsageError
+from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, CorralError, HostError, PreflightError, UsageError
 from corral.logs import RunLogs
 from corral.model import Cluster
 from corral.plan import LaunchPlan, RunSpec, build_plan, job_sets
 from corral.preflight import choose_master, local_disk_warning, node_facts, preflight
-from corral.scriptcheck import self_launch_note
+from corral.runrecord import error_record, failure_record, one_line, plan_record
+from corral.scriptcheck import script_checks
 from corral.stacks import (
     fold_keys,
     fold_ranks,
@@ -53,6 +53,10 @@ from corral.watch import Failure, JobWatch, Sink, node_notice
 #: Launchers whose per-node process is torchrun's elastic agent, and the module
 #: each node imports ahead of its job (preloaded ranks need that agent).
 PREWARMED = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.commands.launch"}
+#: A restart that cannot reconnect waits this long before the next try,
+#: doubled each time in a row, up to the maximum (seconds).
+RESTART_BACKOFF_S = 2.0
+RESTART_BACKOFF_MAX_S = 30.0
 #: Without --hang-timeout: after this long with no output from any rank, say
 #: where the ranks are (then after twice as long again, and so on).
 QUIET_NOTICE_S = 120.0
@@ -303,9 +307,18 @@ class Runner:
 
     async def _run(self) -> RunResult:
         attempts = 0
+        unreachable = 0  # restarts in a row that could not reconnect
         while True:
             attempts += 1
-            result = await self._attempt(attempts)
+            try:
+                result = await self._attempt(attempts)
+            except CorralError as e:
+                if attempts == 1:
+                    raise  # before the first launch: preflight's error, as it is
+                unreachable += 1
+                await self._restart_not_started(e, attempts, unreachable)
+                continue
+            unreachable = 0
             if result.status != "failed" or attempts > self.options.max_restarts or self.interrupts:
                 return result
             why = result.failure.describe() if result.failure else "failed"
@@ -313,6 +326,34 @@ class Runner:
             self.view.message(f"{why}; restarting the job (restart {attempts}/{self.options.max_restarts})")
             if self.logs is not None:
                 self.logs.marker(f"restart {attempts}/{self.options.max_restarts}")
+
+    async def _restart_not_started(self, error: CorralError, attempt: int, in_a_row: int) -> None:
+        """A restart that could not start (a node not back yet, its ssh
+        refused): with restarts left, say so, wait (2 s, 4 s, ... up to 30 s)
+        and return so the next one tries again; else raise ``error``.  Either
+        way run.json records the attempt."""
+        assert self.attempt is not None and self.logs is not None
+        plan = self.attempt.plan
+        why = "could not restart: " + one_line(error)
+        retry = (isinstance(error, (PreflightError, HostError)) and attempt <= self.options.max_restarts
+                 and not self.interrupts)
+        if not retry:
+            status = "interrupted" if self.interrupts else "failed"
+            self._record(plan, status, None, attempt, exit_code=error.exit_code, error=(error, why))
+            raise error
+        self.restarts.append({"attempt": attempt, "failure": why})
+        delay = min(RESTART_BACKOFF_S * 2 ** (in_a_row - 1), RESTART_BACKOFF_MAX_S)
+        self.view.message(f"{why}; trying again in {delay:g} s (restart {attempt}/{self.options.max_restarts})")
+        self.logs.marker(f"restart {attempt}/{self.options.max_restarts} (after {delay:g} s)")
+        self._record(plan, "running", None, attempt)
+        assert self._wake is not None
+        self._wake.clear()  # set by Ctrl-C (no pool is open to set it otherwise)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), delay)
+        if self.interrupts:
+            self._record(plan, "interrupted", None, attempt, exit_code=EXIT_INTERRUPTED)
+            raise CorralError("interrupted while waiting to restart the job; nothing of it is running",
+                              exit_code=EXIT_INTERRUPTED)
 
     async def _open_and_plan(self) -> tuple[AgentPool, LaunchPlan]:
         pool = AgentPool(self.cluster, tag=self.spec.run_id, on_event=self._on_event,
@@ -343,12 +384,14 @@ class Runner:
             plan = build_plan(self.cluster, self.spec, facts, master_addr=master, master_port=int(port),
                               head_env=self.head_env, head_cwd=self.head_cwd)
             _check_shown_ranks(self.options.shown_ranks, plan.world_size)
-            if not self._script_checked:
+            if not self._script_checked and not self.spec.module:
                 self._script_checked = True
-                note = None if self.spec.module else self_launch_note(
-                    self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher, nproc=plan.nodes[0].nproc,
-                    nnodes=len(plan.nodes), args=self.spec.args)
-                if note:
+                problem, notes = script_checks(self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher,
+                                               args=self.spec.args, nproc=plan.nodes[0].nproc,
+                                               nnodes=len(plan.nodes), told=self.spec.nproc_per_node is not None)
+                if problem:
+                    raise UsageError(problem[0], hint=problem[1])
+                for note in notes:
                     ui.notice(note)
         except BaseException:
             await pool.close()
@@ -543,38 +586,20 @@ class Runner:
                 "file's [cluster.env]")
 
     def _record(self, plan: LaunchPlan, status: str, failure: Failure | None, attempts: int,
-                exit_code: int | None = None, left_early: tuple[tuple[str, int], ...] = ()) -> None:
+                exit_code: int | None = None, left_early: tuple[tuple[str, int], ...] = (),
+                error: tuple[CorralError, str] | None = None) -> None:
+        """run.json; ``error``: what stopped a restart before it started, and how it reads."""
         assert self.logs is not None
         self.logs.write_record({
-            "run_id": plan.run_id,
+            **plan_record(plan, self.spec, self.cluster),
             "status": status,
             "exit_code": exit_code,
             "started": self.started,
             "ended": time.time() if status != "running" else None,
             "attempts": attempts,
             "restarts": list(self.restarts),
-            "launcher": plan.launcher,
-            "program": self.spec.program,
-            "args": list(self.spec.args),
-            "master_addr": plan.master_addr,
             "control": str(self.control) if status == "running" else None,
-            # who writes this record: `corral runs` tells a run whose head died
-            # (SIGKILL, a crashed laptop) from one still running
-            "head": {"host": socket.gethostname(), "pid": os.getpid()},
-            "master_port": plan.master_port,
-            "world_size": plan.world_size,
-            "cluster": {"source": self.cluster.source, "name": self.cluster.name},
-            "hosts": [
-                {"name": n.host.name, "node_rank": n.node_rank, "ranks": list(n.ranks),
-                 "argv": list(n.argv), "cwd": n.cwd, "env_names": sorted(n.env)}
-                for n in plan.nodes
-            ],
-            "failure": None if failure is None else {
-                "host": failure.host, "rank": failure.rank, "kind": failure.kind,
-                "exit_code": failure.code, "signal": failure.signal_name, "exception": failure.exc,
-                "reason": failure.reason, "description": failure.describe(),
-                "left_early": [{"host": h, "rank": r} for h, r in left_early],
-            },
+            "failure": failure_record(failure, left_early) if error is None else error_record(*error),
         })
 
 

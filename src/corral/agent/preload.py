@@ -159,7 +159,25 @@ def _unbuffered_stdio():
 
 
 def _reseed():
-    """State a fresh interpreter would not share with its siblings."""
+    """State a fresh interpreter would not share with its siblings.
+
+    torch seeds its default generator from OS entropy when it is imported:
+    forked from one zygote, every rank had the same seed, so the ranks of a
+    node drew the same dropout masks, and their DataLoader workers (seeded
+    from it) the same augmentations.  numpy's legacy global RandomState is
+    seeded the same way (when the zygote imported it), and multiprocessing's
+    authkey is drawn per process.  Python's ``random``, ``tempfile``'s name
+    sequence (keyed by pid) and ``uuid4`` (os.urandom) renew themselves
+    after a fork.  The one thing no reseed can change is the str hash seed
+    (``PYTHONHASHSEED`` unset): a node's preloaded ranks share their
+    zygote's, where fresh ones would each draw their own (docs/run.md).
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:  # only the CPU generator: CUDA's are seeded on their first use, as in a fresh interpreter
+            torch.default_generator.seed()
+        except Exception:
+            pass
     np_random = sys.modules.get("numpy.random")
     if np_random is not None:
         try:

@@ -24,7 +24,13 @@ from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, new_run_id, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
-from corral.scriptcheck import module_for, relative_import_line, script_and_args, self_launch_note
+from corral.scriptcheck import (
+    local_rank_problem,
+    module_for,
+    relative_import_line,
+    script_and_args,
+    self_launch_note,
+)
 from corral.stacks import fold_ranks
 
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
@@ -39,7 +45,8 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
               help="Per-node launcher: torchrun (default), accelerate, deepspeed, lightning, or command "
                    "(one process per node).")
 @click.option("-n", "--nproc-per-node", type=click.IntRange(min=1), default=None,
-              help="Processes per node. Default: the hosts' slots, else one per GPU, else 1.")
+              help="Processes per node. Default: the hosts' slots, else one per GPU, else 1 "
+                   "(lightning: the script's Trainer(devices=...)).")
 @click.option("-m", "--module", is_flag=True, help="PROGRAM is a Python module (like python -m).")
 @click.option("-e", "--env", "env_flags", multiple=True, metavar="K=V|K",
               help="Set a variable on every node (K=V), or copy this machine's value (K). Repeatable. "
@@ -50,7 +57,8 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
 @click.option("--master-port", type=click.IntRange(1, 65535), default=None,
               help="Rendezvous port on the first node. Default: a free port corral picks there.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Restart the whole job this many times after a failure (scripts resume from their checkpoints).")
+              help="Restart the whole job this many times after a failure (scripts resume from their checkpoints); "
+                   "a restart that cannot reconnect counts, and is tried again after 2, 4, ... 30 s.")
 @click.option("--ranks", "ranks_spec", default="0", show_default=True, metavar="SPEC",
               help="Ranks whose progress bars are shown as live status lines: '0', '0,4', '0-7' or 'all'.")
 @click.option("--node-timeout", type=click.FloatRange(min=2), default=10.0, show_default=True,
@@ -298,6 +306,10 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
     if unknown_slots:
         con.print("[yellow]note:[/] some hosts have no slots: processes per node = their GPU count, "
                   "detected at launch (shown here as 1)")
+    problem = None if spec.module else local_rank_problem(spec.program, Path.cwd(), launcher=spec.launcher,
+                                                          world_size=plan.world_size, args=spec.args)
+    if problem:  # the run would refuse it
+        raise UsageError(problem[0], hint=problem[1])
     note = None if spec.module else self_launch_note(spec.program, Path.cwd(), launcher=spec.launcher,
                                                        nproc=plan.nodes[0].nproc, nnodes=len(plan.nodes),
                                                        args=spec.args)

@@ -36,6 +36,9 @@ _RDZV = ("corral starts torchrun on every node with a static rendezvous at node 
          "nodes that never join)")
 _PROCS = "use -n / --nproc-per-node (processes per node)"
 _RESTARTS = "use corral's --max-restarts N: it restarts the job on every node"
+_DS_FANOUT = ("corral starts accelerate on every node and passes --deepspeed_multinode_launcher standard "
+              "itself (each node starts its own processes); pdsh, openmpi, slurm or nossh would start every "
+              "node's processes from each node. Leave it out; the config file's other DeepSpeed settings apply")
 
 #: Launcher options corral sets itself, or that would undo what it sets, with
 #: what to do instead.  Written with underscores; ``--a-b`` is matched as ``--a_b``.
@@ -49,7 +52,9 @@ OWNED_OPTIONS: dict[str, dict[str, str]] = {
     "accelerate": {
         "--num_machines": _NODES, "--machine_rank": _NODES, "--main_process_ip": _RENDEZVOUS,
         "--main_process_port": _RENDEZVOUS, "--num_processes": _PROCS, "--max_restarts": _RESTARTS,
-        "--rdzv_backend": _RDZV,
+        "--rdzv_backend": _RDZV, "--deepspeed_multinode_launcher": _DS_FANOUT,
+        "--deepspeed_hostfile": _NODES, "--deepspeed_inclusion_filter": _NODES,
+        "--deepspeed_exclusion_filter": _NODES,
     },
     "deepspeed": {
         "--world_info": _NODES, "--node_rank": _NODES, "--master_addr": _RENDEZVOUS,

@@ -7,7 +7,15 @@ across all machines, as accelerate expects.  On nodes without GPUs the
 launch is ``--multi_gpu`` with ``ACCELERATE_USE_CPU=1`` (multi-process CPU over
 gloo); with GPUs it is ``--multi_gpu``.
 Anything else (mixed precision, a DeepSpeed/FSDP config file) goes through
-``--launcher-arg`` or the user's accelerate config, untouched.
+``--launcher-arg`` or the user's accelerate config, untouched, with one
+exception: in DeepSpeed mode on several nodes accelerate starts the whole
+job from the node it runs on, with ``deepspeed --launcher pdsh`` (its default,
+or the config's ``deepspeed_multinode_launcher``) and a ``.deepspeed_env``
+written into the working directory.  Started on every node by corral, that
+is one fan-out per node (nine launches for three nodes, then EADDRINUSE).
+So corral passes ``--deepspeed_multinode_launcher standard``: each node's
+accelerate starts its own processes through torchrun, writes no file, and
+the config's other DeepSpeed settings apply as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +29,11 @@ from corral.launchers.base import NodeCommand, NodeContext, node_env
 _MODE_FLAGS = {"--multi_gpu", "--cpu", "--tpu", "--use_fsdp", "--use_deepspeed", "--use_megatron_lm"}
 #: distributed_type values a config file sets that --multi_gpu would override.
 _CONFIG_MODES = {"FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"}
+#: The chosen modes in which accelerate hands the job to DeepSpeed's launcher.
+_DEEPSPEED_MODES = {"--use_deepspeed", "DEEPSPEED"}
+#: accelerate's DeepSpeed launcher that starts one node's processes (torchrun);
+#: the others (pdsh, its default, openmpi, slurm, nossh...) start every node's.
+PER_NODE_DEEPSPEED = ("--deepspeed_multinode_launcher", "standard")
 
 
 def plan(ctx: NodeContext) -> NodeCommand:
@@ -33,6 +46,9 @@ def plan(ctx: NodeContext) -> NodeCommand:
         "--main_process_port", str(ctx.master_port),
     ]
     env = node_env(ctx)
+    mode = chosen_mode(ctx)
+    if ctx.nnodes > 1 and mode in _DEEPSPEED_MODES:
+        argv += PER_NODE_DEEPSPEED
     if ctx.world_size > 1:
         # --multi_gpu is accelerate's multi-process mode (it starts the local
         # ranks through torchrun); on CPU-only nodes ACCELERATE_USE_CPU makes
@@ -40,7 +56,7 @@ def plan(ctx: NodeContext) -> NodeCommand:
         # start a single process.)  Not when the user chose the mode: any of
         # these flags, or a config file whose distributed_type is FSDP,
         # DeepSpeed, Megatron-LM or XLA, would be overridden by --multi_gpu.
-        if chosen_mode(ctx) is None:
+        if mode is None:
             argv.append("--multi_gpu")
         if not ctx.gpus:
             env["ACCELERATE_USE_CPU"] = "1"
