@@ -565,3 +565,63 @@ def test_state_dir_holding_other_files_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SandboxError, match="not a sandbox's state directory"):
         sb.up(1)
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------------------
+# the head changing its own /etc (run in a private mount namespace whose /etc is
+# a copy: the machine's real account files are never touched)
+
+_HEAD_RENAMES_ETC = r'''
+import json, os, subprocess, sys
+from corral.sandbox import Sandbox
+
+etc_copy, state, tag = sys.argv[1:4]
+subprocess.run(["cp", "-a", "/etc", etc_copy], check=True)
+subprocess.run(["mount", "--bind", etc_copy, "/etc"], check=True)  # this namespace's "head" /etc
+sb = Sandbox(name=tag, prefix=tag + "n", state_dir=state)
+node_write = (
+    "import os\n"
+    "text = open('/etc/passwd').read() + 'nodeonly:x:4242:4242::/nonexistent:/usr/sbin/nologin\\n'\n"
+    "open('/etc/passwd.new', 'w').write(text)\n"
+    "os.rename('/etc/passwd.new', '/etc/passwd')\n"
+)
+out = {}
+try:
+    sb.up(1)
+    node = sb.nodes[0]
+    cat = lambda path: sb.exec(node, ["cat", path], check=True).stdout
+    out["node_before"] = cat("/etc/passwd")
+    # useradd writes /etc/passwd+ and renames it over /etc/passwd (so does userdel, passwd).
+    subprocess.run(["useradd", "-M", "-N", "-l", "-s", "/usr/sbin/nologin", "corraldetach"],
+                   check=True, capture_output=True)
+    out["head_passwd"] = open("/etc/passwd").read()
+    out["node_after"] = cat("/etc/passwd")
+    out["node_shadow_after"] = cat("/etc/shadow")
+    sb.exec(node, [sys.executable, "-I", "-c", node_write], check=True)
+    out["node_written"] = cat("/etc/passwd")
+    out["head_after_node_write"] = open("/etc/passwd").read() + open("/etc/shadow").read()
+finally:
+    sb.down()
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_nodes_keep_their_account_files_when_the_head_renames_its_own(tmp_path: Path) -> None:
+    """A `useradd` on the head replaces /etc/passwd by rename; the nodes must
+    keep reading their own copy, and a node's write must never reach the head."""
+    tag = f"v{os.getpid()}e"
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _HEAD_RENAMES_ETC,
+         str(tmp_path / "etc"), str(tmp_path / "state"), tag],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert "corraldetach" in out["head_passwd"]  # the head's /etc did change (by rename)
+    assert out["node_after"] == out["node_before"]
+    assert "corraldetach" not in out["node_shadow_after"]
+    assert "nodeonly" in out["node_written"]  # the node writes its own /etc
+    assert "nodeonly" not in out["head_after_node_write"]
+    assert "corraldetach" not in Path("/etc/passwd").read_text()  # the machine's files: untouched

@@ -25,8 +25,10 @@ from corral.sandbox.spec import TEST_USER, SandboxSpec
 ETC_HOSTS = Path("/etc/hosts")
 #: The state file in a sandbox's state directory (its presence means "this is a sandbox").
 STATE_FILE = "sandbox.json"
-#: Directories bind-mounted over their namesakes inside a node, with their modes.
-NODE_DIRS = {"ssh": 0o700, "tmp": 0o1777, "var-tmp": 0o1777, "srv": 0o755, "home": 0o755}
+#: Directories bind-mounted over their namesakes inside a node, with their modes;
+#: ``etc`` seeds the upper layer of the node's /etc overlay.
+NODE_DIRS = {"ssh": 0o700, "tmp": 0o1777, "var-tmp": 0o1777, "srv": 0o755, "home": 0o755,
+             "etc": 0o755}
 SFTP_SERVERS = ("/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-server", "/usr/libexec/sftp-server")
 
 

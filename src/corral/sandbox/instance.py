@@ -36,9 +36,9 @@ from corral.sandbox.teardown import OWNED, TeardownOps
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-#: Where the node-private directories appear inside a node.
-PRIVATE_DIRS = ("~/.ssh", "/tmp", "/var/tmp", "/srv", "/home", "/dev/shm", "/run",
-                "/etc/hosts", "/etc/passwd", "/etc/shadow", "/etc/group")
+#: Where the node-private directories appear inside a node (/etc: the head's,
+#: with the node's own hosts, passwd, shadow, group and changes on top).
+PRIVATE_DIRS = ("~/.ssh", "/tmp", "/var/tmp", "/srv", "/home", "/dev/shm", "/run", "/etc")
 
 
 class Sandbox(NodeOps, TeardownOps):

@@ -1,8 +1,9 @@
 """One node's life: its directory, its network, its init process, its readiness.
 
 A node's state directory (``<state>/nodes/<name>``) holds everything that
-makes it a distinct machine: its host key, its sshd_config, its account
-files, and the directories bind-mounted over ``~/.ssh``, ``/tmp``,
+makes it a distinct machine: its host key, its sshd_config, the upper
+layer of its ``/etc`` (its own hosts and account files, and what it
+changes), and the directories bind-mounted over ``~/.ssh``, ``/tmp``,
 ``/var/tmp``, ``/srv`` and ``/home`` inside it.  It survives ``stop`` and a
 re-``up`` (like a disk survives a reboot) and goes with ``down``.
 """
@@ -63,10 +64,11 @@ def prepare_dir(
         path.mkdir(exist_ok=True)
         os.chmod(path, mode)
     files.write_text(node_dir / "sshd_config", files.sshd_config(spec, run_dir="/run/corral/node"))
-    files.write_text(node_dir / "hosts", hosts_text)
-    files.write_text(node_dir / "passwd", accounts.passwd)
-    files.write_text(node_dir / "group", accounts.group)
-    files.write_text(node_dir / "shadow", accounts.shadow, mode=0o600)
+    etc = node_dir / "etc"  # the upper layer of the node's /etc
+    files.write_text(etc / "hosts", hosts_text)
+    files.write_text(etc / "passwd", accounts.passwd)
+    files.write_text(etc / "group", accounts.group)
+    files.write_text(etc / "shadow", accounts.shadow, mode=0o600)
     if authorized_key:
         _authorize(node_dir / "ssh" / "authorized_keys", authorized_key)
     if accounts.test_user is not None:
