@@ -625,3 +625,92 @@ def test_nodes_keep_their_account_files_when_the_head_renames_its_own(tmp_path: 
     assert "nodeonly" in out["node_written"]  # the node writes its own /etc
     assert "nodeonly" not in out["head_after_node_write"]
     assert "corraldetach" not in Path("/etc/passwd").read_text()  # the machine's files: untouched
+
+
+def _venv_under(project: Path) -> Path:
+    """A Python whose virtual environment and corral checkout live in ``project``
+    (a clone under /var/tmp, as a user or a CI job makes): a bare venv that sees
+    this checkout's dependencies and the copy of corral in ``project/src``."""
+    shutil.copytree(REPO_ROOT / "src" / "corral", project / "src" / "corral",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "pyproject.toml", project / "pyproject.toml")
+    venv = project / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    deps = [p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)]
+    (site / "corral_test.pth").write_text("\n".join([str(project / "src"), *deps]) + "\n")
+    return venv / "bin" / "python"
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_a_project_under_var_tmp_is_not_shared_and_sync_copies_it(tmp_path: Path) -> None:
+    """Only the interpreter is mounted through into the nodes, never the project
+    around it: `corral sync` must send the project, the nodes' copies are their
+    own, and doctor finds the synced working directory writable."""
+    tag = f"v{os.getpid()}s"
+    project = Path(f"/var/tmp/corral-{tag}-proj")
+    shutil.rmtree(project, ignore_errors=True)
+    sb = Sandbox(name=tag, state_dir=tmp_path / "state")
+    try:
+        python = _venv_under(project)
+        (project / "train.py").write_text("print('hello from the project')\n")
+        env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+
+        def corral(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([str(python), "-m", "corral", *args], cwd=project, env=env,
+                                  capture_output=True, text=True, timeout=240, check=False)
+
+        up = corral("sandbox", "up", "2", "--with-keys", "--name", tag, "--prefix", f"{tag}n",
+                    "--state-dir", str(tmp_path / "state"))
+        assert up.returncode == 0, up.stderr
+        node = sb.nodes[0]
+        # The interpreter runs on the node; the project is not there before a sync.
+        assert sb.exec(node, [str(python), "-c", "import torch"]).returncode == 0
+        assert sb.exec(node, ["test", "-e", str(project / "train.py")]).returncode == 1
+        cluster = str(sb.cluster_file)
+        synced = corral("sync", "-c", cluster, "--json")
+        assert synced.returncode == 0, synced.stderr
+        report = json.loads(synced.stdout)
+        assert report["bytes_sent"] > 0
+        assert all(r["bytes"] > 0 for r in report["nodes"].values())
+        assert sb.exec(node, ["cat", str(project / "train.py")]).stdout == "print('hello from the project')\n"
+        # The node's copy is its own: what a job writes there stays on the node.
+        assert sb.exec(node, ["touch", str(project / "written-on-node")]).returncode == 0
+        assert not (project / "written-on-node").exists()
+        doctor = corral("doctor", "-c", cluster, "--no-smoke", "--no-ssh", "--no-links", "--no-torch", "--json")
+        findings = json.loads(doctor.stdout)["findings"]
+        assert not [f for f in findings if f["check"] == "system.workdir"], findings
+    finally:
+        sb.down()
+        shutil.rmtree(project, ignore_errors=True)
+
+
+def test_share_must_name_a_directory_inside_the_private_ones(tmp_path: Path) -> None:
+    from corral.sandbox import node as node_mod
+
+    with pytest.raises(UsageError, match=r"--share .*missing: not a directory"):
+        node_mod.python_layout([str(tmp_path / "missing")])
+    with pytest.raises(UsageError, match=r"--share /var/tmp: all of /var/tmp"):
+        node_mod.python_layout(["/var/tmp"])
+
+
+@pytest.mark.sandbox
+def test_shared_directory_is_the_heads_on_every_node(own_sandbox, tmp_path: Path) -> None:
+    """--share: a head directory under /tmp, seen (and written) by every node as is."""
+    shared = tmp_path / "nfs"
+    shared.mkdir()
+    sb = own_sandbox("h")
+    sb.up(2, share=[str(shared)])
+    (shared / "from-head").write_text("head\n")
+    for node in sb.nodes:
+        assert sb.exec(node, ["cat", str(shared / "from-head")]).stdout == "head\n"
+    assert sb.exec(sb.nodes[1], ["touch", str(shared / "from-node")]).returncode == 0
+    assert (shared / "from-node").exists()
+    (tmp_path / "not-shared").write_text("head only\n")  # the rest of /tmp stays private
+    assert sb.exec(sb.nodes[0], ["test", "-e", str(tmp_path / "not-shared")]).returncode == 1
+    with pytest.raises(SandboxError, match="shares"):
+        sb.up(share=[])

@@ -70,12 +70,16 @@ def sandbox() -> None:
 @click.option("--slots", type=int, help="Processes per node written to the hostfile and corral.toml [default: 2].")
 @click.option("--prefix", help="Node name prefix for a new sandbox [default: node -> node1..nodeN].")
 @click.option("--subnet", help="IPv4 subnet for the nodes [default: a free /24 derived from the name].")
+@click.option("--share", "share", multiple=True, metavar="DIR",
+              help="Mount this head directory under /tmp, /var/tmp or /srv through into every node "
+                   "(like an NFS-mounted project; else those stay private per node). Repeatable.")
 @_instance_options
 @_json_option
 def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | None,
        password_auth: bool | None, password: str | None, extra_nic: tuple[str, ...],
        slots: int | None, prefix: str | None,
-       subnet: str | None, name: str, state_dir: str | None, as_json: bool) -> None:
+       subnet: str | None, share: tuple[str, ...], name: str, state_dir: str | None,
+       as_json: bool) -> None:
     """Start a sandbox of N nodes; idempotent.
 
     On a running sandbox, `up` (N and flags may be left out) repairs it:
@@ -84,7 +88,8 @@ def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | 
     """
     sb = _sandbox(name, state_dir, prefix)
     status = sb.up(n, rate=rate, ssh_port=ssh_port, with_keys=with_keys, password_auth=password_auth,
-                   password=password, extra_nic=extra_nic or None, slots=slots, subnet=subnet)
+                   password=password, extra_nic=extra_nic or None, slots=slots, subnet=subnet,
+                   share=share or None)
     if as_json:
         _print_json(status.to_dict())
     else:

@@ -139,6 +139,7 @@ class Sandbox(NodeOps, TeardownOps):
         extra_nic: str | Sequence[str] | None = None,
         slots: int | None = None,
         subnet: str | None = None,
+        share: Sequence[str] | None = None,
     ) -> SandboxStatus:
         """Bring up ``n`` nodes, or converge a running sandbox back to its settings.
 
@@ -148,6 +149,9 @@ class Sandbox(NodeOps, TeardownOps):
         Asking a running sandbox for a different node count, port, keys,
         password auth, NICs or subnet is refused (``down`` first).  ``rate``
         is ``"200mbit"``, bits/s, or ``"off"``; it and ``slots`` may change.
+        ``share``: head directories under /tmp, /var/tmp or /srv to mount
+        through into every node (an NFS-mounted project); the rest of those
+        stays private to each node.
         """
         request = specs.UpRequest(
             nodes=n, rate=_rate(rate), ssh_port=ssh_port, with_keys=with_keys,
@@ -160,7 +164,7 @@ class Sandbox(NodeOps, TeardownOps):
                 hint=f"corral sandbox up 4 --with-keys{_name_flag(self.name)}",
             )
         tools = preflight.check()
-        python, private_home, shares = nodes_mod.python_layout()
+        python, private_home, shares = nodes_mod.python_layout(share or ())
         self._claim_state_dir()
         with self._lock():
             state = self._load()
@@ -168,6 +172,8 @@ class Sandbox(NodeOps, TeardownOps):
                 running = state_spec(state)
                 sp = request.resolve(self.name, running)
                 diffs = running.differences(sp)
+                if share is not None and shares != state.get("shares", []):
+                    diffs.append(f"shares: running {state.get('shares', [])!r}, asked {shares!r}")
                 if diffs:
                     raise SandboxError(
                         f"sandbox {self.name!r} is already up with other settings ({'; '.join(diffs)})",
