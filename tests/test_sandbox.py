@@ -714,3 +714,40 @@ def test_shared_directory_is_the_heads_on_every_node(own_sandbox, tmp_path: Path
     assert sb.exec(sb.nodes[0], ["test", "-e", str(tmp_path / "not-shared")]).returncode == 1
     with pytest.raises(SandboxError, match="shares"):
         sb.up(share=[])
+
+
+def test_node_nsswitch_takes_host_names_from_files_only() -> None:
+    head = "passwd: files systemd\nhosts:          files mdns4_minimal [NOTFOUND=return] dns\nnetworks: files\n"
+    text = files.node_nsswitch(head)
+    assert [l for l in text.splitlines() if l.startswith("hosts")] == ["hosts: files"]
+    assert "passwd: files systemd" in text and "networks: files" in text
+    assert files.node_nsswitch(None).splitlines()[-1] == "hosts: files"
+
+
+#: Lines a sandbox run must not show: torchrun's OMP banner, c10d's failed
+#: reverse lookups (nodes had no DNS), torch importing without numpy.
+_NOISE = ("OMP_NUM_THREADS", "*****", "hostname of the client socket cannot be retrieved",
+          "Failed to initialize NumPy")
+
+
+@pytest.mark.sandbox
+def test_a_torchrun_run_on_the_sandbox_shows_only_lines_that_matter(sandbox: Sandbox) -> None:
+    scratch = REPO_ROOT / "scratch" / f"sb-{os.getpid()}-{uuid.uuid4().hex[:6]}"  # shared like NFS
+    scratch.mkdir(parents=True)
+    try:
+        (scratch / "ar.py").write_text(
+            "import torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "t = torch.ones(1)\n"
+            "dist.all_reduce(t)\n"
+            "print('sum', int(t.item()), flush=True)\n"
+        )
+        proc = subprocess.run([sys.executable, "-m", "corral", "run", "-c", str(sandbox.cluster_file), "ar.py"],
+                              cwd=scratch, capture_output=True, text=True, timeout=240, check=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    world = 2 * len(sandbox.nodes)
+    assert proc.stdout.count(f"sum {world}") == world
+    both = proc.stdout + proc.stderr
+    assert not [line for line in both.splitlines() if any(n in line for n in _NOISE)], both

@@ -144,6 +144,21 @@ def with_block(text: str, name: str, entries: Sequence[HostEntry]) -> str:
 # per-node files
 
 
+def node_nsswitch(head: str | None) -> str:
+    """A node's /etc/nsswitch.conf: the head's, with host names from /etc/hosts only.
+
+    Nodes have no route to a DNS server, so a lookup that misses /etc/hosts
+    failed with "temporary failure in name resolution" where a real network's
+    DNS answers "no such name" at once.  torch's TCPStore asks for the name of
+    every client (``::ffff:10.x.y.z``: the files resolver does not unmap it)
+    and warned "The hostname of the client socket cannot be retrieved" for
+    every rank of every run; now the lookup falls back to the address.
+    """
+    lines = [l for l in (head or "").splitlines() if not re.match(r"\s*hosts\s*:", l)]
+    lines += ["# corral sandbox: nodes have no DNS server; host names come from /etc/hosts", "hosts: files"]
+    return "\n".join(lines) + "\n"
+
+
 def sshd_config(spec: SandboxSpec, *, run_dir: str) -> str:
     """A distro-like sshd_config: keys for root, passwords only for the test user."""
     sftp = next((p for p in SFTP_SERVERS if os.path.exists(p)), "internal-sftp")

@@ -273,6 +273,10 @@ class Sandbox(NodeOps, TeardownOps):
     def _prepare_files(self, sp: SandboxSpec, state: dict, password: str | None) -> None:
         base_hosts = files.strip_blocks(files.ETC_HOSTS.read_text())
         hosts_text = files.with_block(base_hosts, self.name, self._host_entries(sp))
+        try:
+            nsswitch = files.node_nsswitch(Path("/etc/nsswitch.conf").read_text())
+        except FileNotFoundError:
+            nsswitch = files.node_nsswitch(None)
         passwd, shadow, group = (Path(p).read_text() for p in ("/etc/passwd", "/etc/shadow", "/etc/group"))
         test_user = None
         if sp.password_auth:
@@ -295,7 +299,7 @@ class Sandbox(NodeOps, TeardownOps):
             key = Path(str(self.identity_file) + ".pub").read_text()
         for nn in sp.all_nodes():
             nodes_mod.prepare_dir(self.node_dir(nn.name), sp, nn, hosts_text=hosts_text,
-                                  accounts=accounts, authorized_key=key,
+                                  nsswitch_text=nsswitch, accounts=accounts, authorized_key=key,
                                   private_home=state["private_home"])
         files.generate_host_keys([self.node_dir(nn.name) for nn in sp.all_nodes()],
                                  [f"root@{nn.name}" for nn in sp.all_nodes()])

@@ -52,6 +52,7 @@ def prepare_dir(
     node: NodeNames,
     *,
     hosts_text: str,
+    nsswitch_text: str,
     accounts: Accounts,
     authorized_key: str | None,
     private_home: bool,
@@ -66,6 +67,7 @@ def prepare_dir(
     files.write_text(node_dir / "sshd_config", files.sshd_config(spec, run_dir="/run/corral/node"))
     etc = node_dir / "etc"  # the upper layer of the node's /etc
     files.write_text(etc / "hosts", hosts_text)
+    files.write_text(etc / "nsswitch.conf", nsswitch_text)
     files.write_text(etc / "passwd", accounts.passwd)
     files.write_text(etc / "group", accounts.group)
     files.write_text(etc / "shadow", accounts.shadow, mode=0o600)
