@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -751,3 +752,63 @@ def test_a_torchrun_run_on_the_sandbox_shows_only_lines_that_matter(sandbox: San
     assert proc.stdout.count(f"sum {world}") == world
     both = proc.stdout + proc.stderr
     assert not [line for line in both.splitlines() if any(n in line for n in _NOISE)], both
+
+
+def _as_user(user: str, *argv: str, home: Path) -> subprocess.CompletedProcess:
+    """Run corral's CLI as ``user`` through the system Python (this session's
+    interpreter may live under /root, which other users cannot read)."""
+    deps = [p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), *deps])}
+    return subprocess.run([shutil.which("runuser"), "-u", user, "--", "/usr/bin/python3", "-m", "corral", *argv],
+                          env=env, capture_output=True, text=True, timeout=120, cwd="/", check=False)
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_a_sandbox_started_for_a_user_is_usable_by_that_user(tmp_path: Path) -> None:
+    """`sudo corral sandbox up --for USER`: USER lists it, sees its real status,
+    reads its cluster file and logs in to a node with its key."""
+    if not os.path.exists("/usr/bin/python3") or shutil.which("runuser") is None:
+        pytest.skip("needs /usr/bin/python3 and runuser")
+    user = "nobody"
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, pwd.getpwnam(user).pw_uid, -1)
+    os.chmod(tmp_path, 0o755)
+    tag = f"v{os.getpid()}u"
+    sb = Sandbox(name=tag, prefix=f"{tag}n")
+    try:
+        sb.up(2, with_keys=True, for_user=user)
+        assert str(sb.state_dir).startswith("/var/lib/corral/sandbox/")
+        listed = _as_user(user, "sandbox", "list", "--json", home=home)
+        assert listed.returncode == 0, listed.stderr
+        row = next(r for r in json.loads(listed.stdout) if r["name"] == tag)
+        assert row["nodes"] == 2 and row["up"] is True, row
+        status = _as_user(user, "sandbox", "status", "--name", tag, "--json", home=home)
+        assert status.returncode == 0, status.stderr
+        assert [n["state"] for n in json.loads(status.stdout)["nodes"]] == ["running", "running"]
+        hosts = _as_user(user, "hosts", "-c", str(sb.cluster_file), "--json", home=home)
+        assert hosts.returncode == 0, hosts.stderr
+        login = subprocess.run(["runuser", "-u", user, "--", "ssh", "-F", str(sb.ssh_config), "-o", "BatchMode=yes",
+                                sb.nodes[1], "hostname"], capture_output=True, text=True, timeout=60, check=False)
+        assert login.stdout.strip() == sb.nodes[1], login.stderr
+        # The nodes' own files (host keys, shadow) stay root's; nothing is the user's to change.
+        shadow = sb.node_dir(sb.nodes[0]) / "etc" / "shadow"
+        peek = subprocess.run([shutil.which("runuser"), "-u", user, "--", "cat", str(shadow)],
+                              capture_output=True, text=True, timeout=30, check=False)
+        assert peek.returncode != 0 and "Permission denied" in peek.stderr
+        assert all(os.stat(p).st_uid == 0 for p in [sb.state_dir, *sb.state_dir.iterdir()]
+                   if p.name != "id_ed25519")
+    finally:
+        sb.down()
+    assert not sb.state_dir.exists()
+
+
+def test_for_a_user_that_does_not_exist_is_a_usage_error() -> None:
+    from corral.sandbox import access
+
+    with pytest.raises(UsageError, match="--for no-such-user-x: no such user"):
+        access.user("no-such-user-x")
+    with pytest.raises(UsageError, match="--for root"):
+        access.user("root")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import click
 from rich.table import Table
 
+from corral.errors import CorralError
 from corral.sandbox import DEFAULT_NAME, Sandbox, SandboxStatus, format_rate, present_sandboxes
 from corral.ui import console, notice
 
@@ -73,13 +74,17 @@ def sandbox() -> None:
 @click.option("--share", "share", multiple=True, metavar="DIR",
               help="Mount this head directory under /tmp, /var/tmp or /srv through into every node "
                    "(like an NFS-mounted project; else those stay private per node). Repeatable.")
+@click.option("--for", "for_user", metavar="USER",
+              help="Let USER (not root) use the sandbox: read its files, use its head key, see its "
+                   "status. Its state then lives in /var/lib/corral/sandbox/NAME. With --with-keys "
+                   "USER logs in to the nodes as root: give it only to a user you would give root.")
 @_instance_options
 @_json_option
 def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | None,
        password_auth: bool | None, password: str | None, extra_nic: tuple[str, ...],
        slots: int | None, prefix: str | None,
-       subnet: str | None, share: tuple[str, ...], name: str, state_dir: str | None,
-       as_json: bool) -> None:
+       subnet: str | None, share: tuple[str, ...], for_user: str | None, name: str,
+       state_dir: str | None, as_json: bool) -> None:
     """Start a sandbox of N nodes; idempotent.
 
     On a running sandbox, `up` (N and flags may be left out) repairs it:
@@ -89,7 +94,7 @@ def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | 
     sb = _sandbox(name, state_dir, prefix)
     status = sb.up(n, rate=rate, ssh_port=ssh_port, with_keys=with_keys, password_auth=password_auth,
                    password=password, extra_nic=extra_nic or None, slots=slots, subnet=subnet,
-                   share=share or None)
+                   share=share or None, for_user=for_user)
     if as_json:
         _print_json(status.to_dict())
     else:
@@ -151,7 +156,12 @@ def list_(as_json: bool) -> None:
     """List the sandboxes on this machine (found from namespaces and /etc/hosts)."""
     rows = []
     for name in present_sandboxes():
-        st = Sandbox(name=name).status()
+        try:
+            st = Sandbox(name=name).status()
+        except CorralError as err:  # root's, not readable by this user
+            rows.append({"name": name, "state_dir": None, "nodes": None, "up": None,
+                         "error": err.message})
+            continue
         rows.append({"name": name, "state_dir": st.state_dir if st.exists else None,
                      "nodes": len(st.nodes), "up": st.up})
     if as_json:
@@ -164,9 +174,10 @@ def list_(as_json: bool) -> None:
     for col in ("name", "nodes", "up", "state dir"):
         table.add_column(col)
     for row in rows:
+        where = row["state_dir"] or ("(not readable by you: sudo, or root's `up --for $USER`)"
+                                     if "error" in row else "(elsewhere: pass --state-dir to other commands)")
         table.add_row(row["name"], str(row["nodes"]) if row["state_dir"] else "?",
-                      "yes" if row["up"] else "no",
-                      row["state_dir"] or "(elsewhere: pass --state-dir to other commands)")
+                      "?" if row["up"] is None else ("yes" if row["up"] else "no"), where)
     console().print(table)
 
 

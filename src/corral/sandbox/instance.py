@@ -24,7 +24,7 @@ from pathlib import Path
 
 from corral.errors import SandboxError, UsageError
 from corral.model import Cluster, Host
-from corral.sandbox import files, netns, preflight
+from corral.sandbox import access, files, netns, preflight
 from corral.sandbox import node as nodes_mod
 from corral.sandbox import spec as specs
 from corral.sandbox.files import STATE_FILE
@@ -53,7 +53,12 @@ class Sandbox(NodeOps, TeardownOps):
     def __init__(self, name: str | None = None, *, state_dir: str | os.PathLike | None = None,
                  prefix: str | None = None):
         self.name = specs.check_name(name or specs.default_name())
+        self._explicit_dir = bool(state_dir or os.environ.get("CORRAL_SANDBOX_DIR"))
         where = Path(state_dir).expanduser() if state_dir else specs.default_state_dir(self.name)
+        if not self._explicit_dir and not os.path.exists(where / STATE_FILE):
+            # Started elsewhere (by root --for this user, or with --state-dir): its
+            # /etc/hosts block says where.
+            where = files.recorded_state_dir(self.name) or where
         self.state_dir = where.absolute()
         self.prefix = specs.check_prefix(prefix) if prefix else None
 
@@ -140,6 +145,7 @@ class Sandbox(NodeOps, TeardownOps):
         slots: int | None = None,
         subnet: str | None = None,
         share: Sequence[str] | None = None,
+        for_user: str | None = None,
     ) -> SandboxStatus:
         """Bring up ``n`` nodes, or converge a running sandbox back to its settings.
 
@@ -151,7 +157,8 @@ class Sandbox(NodeOps, TeardownOps):
         is ``"200mbit"``, bits/s, or ``"off"``; it and ``slots`` may change.
         ``share``: head directories under /tmp, /var/tmp or /srv to mount
         through into every node (an NFS-mounted project); the rest of those
-        stays private to each node.
+        stays private to each node.  ``for_user``: a login that may use the
+        sandbox without root (``--for``; see ``corral.sandbox.access``).
         """
         request = specs.UpRequest(
             nodes=n, rate=_rate(rate), ssh_port=ssh_port, with_keys=with_keys,
@@ -165,6 +172,11 @@ class Sandbox(NodeOps, TeardownOps):
             )
         tools = preflight.check()
         python, private_home, shares = nodes_mod.python_layout(share or ())
+        owner = access.user(for_user) if for_user else None
+        if owner is not None:
+            if not self._explicit_dir and not os.path.exists(self.state_dir / STATE_FILE):
+                self.state_dir = access.shared_state_dir(self.name)
+            access.check_reachable(self.state_dir, owner)
         self._claim_state_dir()
         with self._lock():
             state = self._load()
@@ -188,6 +200,8 @@ class Sandbox(NodeOps, TeardownOps):
                 sp = request.resolve(self.name, None)
                 state = {"version": STATE_VERSION, "python": python, "private_home": private_home,
                          "shares": shares, "created": time.time(), "rates": {}}
+            if owner is not None:
+                state["for_user"] = owner.pw_name
             if password is not None and not sp.password_auth:
                 raise UsageError("--password only makes sense with --password-auth",
                                  hint="corral sandbox up 4 --password-auth --password SECRET")
@@ -197,6 +211,8 @@ class Sandbox(NodeOps, TeardownOps):
             self._start_nodes(sp, state, tools)
             self._check_mesh(sp)
             self._write_head_files(sp, state)
+            if state.get("for_user"):
+                access.grant(self.state_dir, access.user(state["for_user"]))
         return self.status()
 
     def _claim_state_dir(self) -> None:
@@ -238,7 +254,7 @@ class Sandbox(NodeOps, TeardownOps):
             state["spec"] = spec_dict(sp)
             self._save(state)
             self._ensure_bridges(sp)
-            write(files.with_block(text, self.name, self._host_entries(sp)))
+            write(files.with_block(text, self.name, self._host_entries(sp), self.state_dir))
         return sp
 
     def _ensure_bridges(self, sp: SandboxSpec) -> None:
@@ -406,7 +422,10 @@ class Sandbox(NodeOps, TeardownOps):
         sp = state_spec(state)
         present = netns.links()
         spaces = set(netns.netns_list())
-        pids = netns.pids_by_netns([nn.netns for nn in sp.all_nodes()])
+        if os.geteuid() == 0:
+            pids = netns.pids_by_netns([nn.netns for nn in sp.all_nodes()])
+        else:  # root's namespaces are not ours to read (a sandbox started --for us)
+            pids = netns.pids_by_init({nn.netns: str(self.node_dir(nn.name)) for nn in sp.all_nodes()})
         rates = state.get("rates", {})
         out = []
         for nn in sp.all_nodes():
@@ -443,7 +462,8 @@ class Sandbox(NodeOps, TeardownOps):
         return state
 
     def _save(self, state: dict) -> None:
-        files.write_text(self.state_dir / STATE_FILE, nodes_mod.dump_json(state), mode=0o600)
+        mode, group = access.state_file_mode(state.get("for_user"))
+        files.write_text(self.state_dir / STATE_FILE, nodes_mod.dump_json(state), mode=mode, group=group)
 
     @contextmanager
     def _lock(self) -> Iterator[None]:
