@@ -46,9 +46,10 @@ def sandbox() -> None:
 
     Each node has its own network namespace (eth0 on a bridge, its own
     address, optional rate limit), hostname, PID namespace, a real OpenSSH
-    sshd, and private ~/.ssh, /tmp, /var/tmp, /srv and /home; the rest of the
-    filesystem (Python, your virtual environment, the repository) is shared,
-    like machines booted from one image.  Needs root.
+    sshd, private ~/.ssh, /tmp, /var/tmp, /srv and /home, and its own /etc
+    (the head's with the node's accounts and hosts on top); the rest of the
+    filesystem (Python, your virtual environment) is shared, like machines
+    booted from one image.  Needs root; `up --for USER` lets USER use it.
 
     \b
     Rehearse a multi-node run:
