@@ -793,6 +793,8 @@ def test_a_sandbox_started_for_a_user_is_usable_by_that_user(tmp_path: Path) -> 
         login = subprocess.run(["runuser", "-u", user, "--", "ssh", "-F", str(sb.ssh_config), "-o", "BatchMode=yes",
                                 sb.nodes[1], "hostname"], capture_output=True, text=True, timeout=60, check=False)
         assert login.stdout.strip() == sb.nodes[1], login.stderr
+        # Inside the nodes, the sandboxes' state (head keys, every node's files) is hidden.
+        assert sb.exec(sb.nodes[0], ["ls", "-A", "/var/lib/corral/sandbox"], check=True).stdout == ""
         # The nodes' own files (host keys, shadow) stay root's; nothing is the user's to change.
         shadow = sb.node_dir(sb.nodes[0]) / "etc" / "shadow"
         peek = subprocess.run([shutil.which("runuser"), "-u", user, "--", "cat", str(shadow)],

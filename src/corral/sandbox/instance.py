@@ -363,8 +363,9 @@ class Sandbox(NodeOps, TeardownOps):
     def _start_nodes(self, sp: SandboxSpec, state: dict, tools: dict[str, str]) -> None:
         running = netns.pids_by_netns([nn.netns for nn in sp.all_nodes()])
         hide = [str(self.state_dir)]
-        if specs.state_base().is_dir():
-            hide.append(str(specs.state_base().absolute()))
+        for base in (specs.state_base(), access.SHARED_BASE):  # other sandboxes' keys, too
+            if base.is_dir() and str(base.absolute()) not in hide:
+                hide.append(str(base.absolute()))
         home = pwd.getpwuid(0).pw_dir
         for nn in sp.all_nodes():
             if netns.find_init(running[nn.netns]) is not None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import json
 import shutil
 import os
@@ -161,7 +162,13 @@ def overlay_etc() -> None:
     upper, work = os.path.join(ETC_LAYERS, "upper"), os.path.join(ETC_LAYERS, "work")
     shutil.copytree(os.path.join(NODE_RUN, "etc"), upper, symlinks=True)
     os.makedirs(work, mode=0o700)
-    mount("overlay", "/etc", "overlay", 0, f"lowerdir=/etc,upperdir={upper},workdir={work}")
+    try:
+        mount("overlay", "/etc", "overlay", 0, f"lowerdir=/etc,upperdir={upper},workdir={work}")
+    except OSError as err:
+        if err.errno == errno.ENODEV:
+            raise OSError(err.errno, "this kernel has no overlayfs for the node's /etc "
+                                     "(`modprobe overlay`, or a kernel built with CONFIG_OVERLAY_FS)") from None
+        raise
 
 
 def start_sshd(sshd: str) -> subprocess.Popen:
