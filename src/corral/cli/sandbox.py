@@ -175,8 +175,12 @@ def list_(as_json: bool) -> None:
     for col in ("name", "nodes", "up", "state dir"):
         table.add_column(col)
     for row in rows:
-        where = row["state_dir"] or ("(not readable by you: sudo, or root's `up --for $USER`)"
-                                     if "error" in row else "(elsewhere: pass --state-dir to other commands)")
+        if row["state_dir"]:
+            where = row["state_dir"]
+        elif "error" in row:
+            where = "(not readable by you: sudo, or root's `up --for $USER`)"
+        else:
+            where = "(elsewhere: pass --state-dir to other commands)"
         table.add_row(row["name"], str(row["nodes"]) if row["state_dir"] else "?",
                       "?" if row["up"] is None else ("yes" if row["up"] else "no"), where)
     console().print(table)

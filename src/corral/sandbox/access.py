@@ -52,7 +52,7 @@ def shared_state_dir(name: str) -> Path:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
             raise SandboxError(f"{path} is not a root-owned directory that only root can write",
-                               hint=f"remove it, or pass --state-dir DIR (a directory the user can reach)")
+                               hint="remove it, or pass --state-dir DIR (one the user can reach)")
         os.chmod(path, 0o755)
     return SHARED_BASE / name
 
@@ -76,7 +76,8 @@ def check_reachable(state_dir: Path, owner: pwd.struct_passwd) -> None:
                 f"{owner.pw_name} cannot reach the sandbox's state directory {state_dir}: "
                 f"{parent} is mode {stat.S_IMODE(st.st_mode):04o}",
                 hint="leave out --state-dir (a sandbox started --for a user then lives in "
-                     f"{SHARED_BASE}/NAME), or `corral sandbox down` this one and start it again --for",
+                     f"{SHARED_BASE}/NAME), or `corral sandbox down` this one and "
+                     "start it again --for",
             )
 
 

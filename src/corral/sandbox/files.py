@@ -96,7 +96,8 @@ def recorded_state_dir(name: str) -> Path | None:
 def block_state_dirs(text: str) -> dict[str, Path]:
     """Sandbox name -> the state directory its /etc/hosts block records."""
     found = {}
-    for match in re.finditer(r"^# corral-sandbox (\S+) begin\n# state-dir (/.*)$", text, re.MULTILINE):
+    pattern = re.compile(r"^# corral-sandbox (\S+) begin\n# state-dir (/.*)$", re.MULTILINE)
+    for match in pattern.finditer(text):
         found[match.group(1)] = Path(match.group(2))
     return found
 
@@ -155,7 +156,8 @@ class _Writer:
         self._fh.flush()
 
 
-def with_block(text: str, name: str, entries: Sequence[HostEntry], state_dir: Path | None = None) -> str:
+def with_block(text: str, name: str, entries: Sequence[HostEntry],
+               state_dir: Path | None = None) -> str:
     base = strip_blocks(text, name)
     if base and not base.endswith("\n"):
         base += "\n"
@@ -177,7 +179,8 @@ def node_nsswitch(head: str | None) -> str:
     every rank of every run; now the lookup falls back to the address.
     """
     lines = [l for l in (head or "").splitlines() if not re.match(r"\s*hosts\s*:", l)]
-    lines += ["# corral sandbox: nodes have no DNS server; host names come from /etc/hosts", "hosts: files"]
+    lines += ["# corral sandbox: nodes have no DNS server; host names come from /etc/hosts",
+              "hosts: files"]
     return "\n".join(lines) + "\n"
 
 
@@ -379,7 +382,7 @@ def read_json(path: Path) -> dict | None:
     except FileNotFoundError:
         return None
     except PermissionError:
-        raise SandboxError(f"{path}: not readable by you (uid {os.getuid()}): the sandbox is root's",
+        raise SandboxError(f"{path}: not readable by you (uid {os.getuid()}): it is root's",
                            hint="run it with sudo, or have root start the sandbox for you: "
                                 "sudo corral sandbox up N --with-keys --for $USER") from None
     except (OSError, ValueError) as err:

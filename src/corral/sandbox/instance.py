@@ -426,7 +426,8 @@ class Sandbox(NodeOps, TeardownOps):
         if os.geteuid() == 0:
             pids = netns.pids_by_netns([nn.netns for nn in sp.all_nodes()])
         else:  # root's namespaces are not ours to read (a sandbox started --for us)
-            pids = netns.pids_by_init({nn.netns: str(self.node_dir(nn.name)) for nn in sp.all_nodes()})
+            dirs = {nn.netns: str(self.node_dir(nn.name)) for nn in sp.all_nodes()}
+            pids = netns.pids_by_init(dirs)
         rates = state.get("rates", {})
         out = []
         for nn in sp.all_nodes():
@@ -464,7 +465,8 @@ class Sandbox(NodeOps, TeardownOps):
 
     def _save(self, state: dict) -> None:
         mode, group = access.state_file_mode(state.get("for_user"))
-        files.write_text(self.state_dir / STATE_FILE, nodes_mod.dump_json(state), mode=mode, group=group)
+        files.write_text(self.state_dir / STATE_FILE, nodes_mod.dump_json(state),
+                         mode=mode, group=group)
 
     @contextmanager
     def _lock(self) -> Iterator[None]:

@@ -166,8 +166,8 @@ def overlay_etc() -> None:
         mount("overlay", "/etc", "overlay", 0, f"lowerdir=/etc,upperdir={upper},workdir={work}")
     except OSError as err:
         if err.errno == errno.ENODEV:
-            raise OSError(err.errno, "this kernel has no overlayfs for the node's /etc "
-                                     "(`modprobe overlay`, or a kernel built with CONFIG_OVERLAY_FS)") from None
+            raise OSError(err.errno, "this kernel has no overlayfs for the node's /etc (`modprobe "
+                                     "overlay`, or a kernel built with CONFIG_OVERLAY_FS)") from None
         raise
 
 
