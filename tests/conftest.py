@@ -92,7 +92,9 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory):
     tag = f"t{os.getpid()}"
     sb = Sandbox(name=tag, prefix=f"{tag}n", state_dir=tmp_path_factory.mktemp("sandbox") / "state")
     try:
-        sb.up(SANDBOX_NODES, with_keys=True)
+        # Tests run the repository's examples on the nodes without syncing them:
+        # a checkout under /tmp (CI) is mounted through like an NFS project.
+        sb.up(SANDBOX_NODES, with_keys=True, share=[str(REPO)])
         yield sb
     finally:
         sb.down()

@@ -259,3 +259,26 @@ def test_lightning_example_spawns_its_own_second_process(tmp_path: Path) -> None
     res = run(argv, tmp_path, env={"MASTER_PORT": str(free_port())})
     assert_learned(res)
     assert "Starting with 2 processes" in res.stdout + res.stderr, res.tail()
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def test_make_demo_installs_what_torch_needs_to_import_quietly() -> None:
+    """torch imports without numpy but warns "Failed to initialize NumPy" on
+    every import (every rank of `make demo`): the demo installs numpy, at the
+    version the test suite runs with."""
+    no_numpy = subprocess.run([PY, "-c", "import sys; sys.modules['numpy'] = None; import torch"],
+                              capture_output=True, text=True, timeout=120, check=False)
+    assert "Failed to initialize NumPy" in no_numpy.stderr  # what the demo's ranks printed
+    demo, test = _pins(REPO / "requirements-demo.txt"), _pins(REPO / "requirements-test.txt")
+    assert "torch" in demo
+    assert demo.get("numpy") == test["numpy"]
+    assert all(test.get(name) == version for name, version in demo.items())

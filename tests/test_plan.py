@@ -270,3 +270,17 @@ def test_a_node_whose_name_is_loopback_gets_gloos_interface_unless_the_job_sets_
     assert mine.nodes[1].env["GLOO_SOCKET_IFNAME"] == "ib0"
     here = plan(RunSpec(program="train.py", run_id="r1"), facts=facts, head_env={"GLOO_SOCKET_IFNAME": "bond0"})
     assert here.nodes[1].env["GLOO_SOCKET_IFNAME"] == "bond0"
+
+
+def test_torchrun_sets_omp_threads_only_where_the_job_does_not() -> None:
+    """torchrun picks OMP_NUM_THREADS=1 itself for several processes per node,
+    but prints a banner on every node saying so; corral sets the same value
+    unless the job's environment has one (head, cluster file, --env)."""
+    p = plan(RunSpec(program="train.py", run_id="r"))
+    assert all(n.env["OMP_NUM_THREADS"] == "1" for n in p.nodes)
+    p = plan(RunSpec(program="train.py", run_id="r"), head_env={"OMP_NUM_THREADS": "4"})
+    assert all(n.env["OMP_NUM_THREADS"] == "4" for n in p.nodes)
+    p = plan(RunSpec(program="train.py", run_id="r", env={"OMP_NUM_THREADS": "3"}))
+    assert all(n.env["OMP_NUM_THREADS"] == "3" for n in p.nodes)
+    one = plan(RunSpec(program="train.py", run_id="r"), cluster(slots=1))  # torchrun sets nothing
+    assert all("OMP_NUM_THREADS" not in n.env for n in one.nodes)

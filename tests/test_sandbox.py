@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -565,3 +566,251 @@ def test_state_dir_holding_other_files_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SandboxError, match="not a sandbox's state directory"):
         sb.up(1)
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------------------
+# the head changing its own /etc (run in a private mount namespace whose /etc is
+# a copy: the machine's real account files are never touched)
+
+_HEAD_RENAMES_ETC = r'''
+import json, os, subprocess, sys
+from corral.sandbox import Sandbox
+
+etc_copy, state, tag = sys.argv[1:4]
+subprocess.run(["cp", "-a", "/etc", etc_copy], check=True)
+subprocess.run(["mount", "--bind", etc_copy, "/etc"], check=True)  # this namespace's "head" /etc
+sb = Sandbox(name=tag, prefix=tag + "n", state_dir=state)
+node_write = (
+    "import os\n"
+    "text = open('/etc/passwd').read() + 'nodeonly:x:4242:4242::/nonexistent:/usr/sbin/nologin\\n'\n"
+    "open('/etc/passwd.new', 'w').write(text)\n"
+    "os.rename('/etc/passwd.new', '/etc/passwd')\n"
+)
+out = {}
+try:
+    sb.up(1)
+    node = sb.nodes[0]
+    cat = lambda path: sb.exec(node, ["cat", path], check=True).stdout
+    out["node_before"] = cat("/etc/passwd")
+    # useradd writes /etc/passwd+ and renames it over /etc/passwd (so does userdel, passwd).
+    subprocess.run(["useradd", "-M", "-N", "-l", "-s", "/usr/sbin/nologin", "corraldetach"],
+                   check=True, capture_output=True)
+    out["head_passwd"] = open("/etc/passwd").read()
+    out["node_after"] = cat("/etc/passwd")
+    out["node_shadow_after"] = cat("/etc/shadow")
+    sb.exec(node, [sys.executable, "-I", "-c", node_write], check=True)
+    out["node_written"] = cat("/etc/passwd")
+    out["head_after_node_write"] = open("/etc/passwd").read() + open("/etc/shadow").read()
+finally:
+    sb.down()
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_nodes_keep_their_account_files_when_the_head_renames_its_own(tmp_path: Path) -> None:
+    """A `useradd` on the head replaces /etc/passwd by rename; the nodes must
+    keep reading their own copy, and a node's write must never reach the head."""
+    tag = f"v{os.getpid()}e"
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _HEAD_RENAMES_ETC,
+         str(tmp_path / "etc"), str(tmp_path / "state"), tag],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert "corraldetach" in out["head_passwd"]  # the head's /etc did change (by rename)
+    assert out["node_after"] == out["node_before"]
+    assert "corraldetach" not in out["node_shadow_after"]
+    assert "nodeonly" in out["node_written"]  # the node writes its own /etc
+    assert "nodeonly" not in out["head_after_node_write"]
+    assert "corraldetach" not in Path("/etc/passwd").read_text()  # the machine's files: untouched
+
+
+def _venv_under(project: Path) -> Path:
+    """A Python whose virtual environment and corral checkout live in ``project``
+    (a clone under /var/tmp, as a user or a CI job makes): a bare venv that sees
+    this checkout's dependencies and the copy of corral in ``project/src``."""
+    shutil.copytree(REPO_ROOT / "src" / "corral", project / "src" / "corral",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "pyproject.toml", project / "pyproject.toml")
+    venv = project / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    deps = [p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)]
+    (site / "corral_test.pth").write_text("\n".join([str(project / "src"), *deps]) + "\n")
+    return venv / "bin" / "python"
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_a_project_under_var_tmp_is_not_shared_and_sync_copies_it(tmp_path: Path) -> None:
+    """Only the interpreter is mounted through into the nodes, never the project
+    around it: `corral sync` must send the project, the nodes' copies are their
+    own, and doctor finds the synced working directory writable."""
+    tag = f"v{os.getpid()}s"
+    project = Path(f"/var/tmp/corral-{tag}-proj")
+    shutil.rmtree(project, ignore_errors=True)
+    sb = Sandbox(name=tag, state_dir=tmp_path / "state")
+    try:
+        python = _venv_under(project)
+        (project / "train.py").write_text("print('hello from the project')\n")
+        env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+
+        def corral(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([str(python), "-m", "corral", *args], cwd=project, env=env,
+                                  capture_output=True, text=True, timeout=240, check=False)
+
+        up = corral("sandbox", "up", "2", "--with-keys", "--name", tag, "--prefix", f"{tag}n",
+                    "--state-dir", str(tmp_path / "state"))
+        assert up.returncode == 0, up.stderr
+        node = sb.nodes[0]
+        # The interpreter runs on the node; the project is not there before a sync.
+        assert sb.exec(node, [str(python), "-c", "import torch"]).returncode == 0
+        assert sb.exec(node, ["test", "-e", str(project / "train.py")]).returncode == 1
+        cluster = str(sb.cluster_file)
+        synced = corral("sync", "-c", cluster, "--json")
+        assert synced.returncode == 0, synced.stderr
+        report = json.loads(synced.stdout)
+        assert report["bytes_sent"] > 0
+        assert all(r["bytes"] > 0 for r in report["nodes"].values())
+        assert sb.exec(node, ["cat", str(project / "train.py")]).stdout == "print('hello from the project')\n"
+        # The node's copy is its own: what a job writes there stays on the node.
+        assert sb.exec(node, ["touch", str(project / "written-on-node")]).returncode == 0
+        assert not (project / "written-on-node").exists()
+        doctor = corral("doctor", "-c", cluster, "--no-smoke", "--no-ssh", "--no-links", "--no-torch", "--json")
+        findings = json.loads(doctor.stdout)["findings"]
+        assert not [f for f in findings if f["check"] == "system.workdir"], findings
+    finally:
+        sb.down()
+        shutil.rmtree(project, ignore_errors=True)
+
+
+def test_share_must_name_a_directory_inside_the_private_ones(tmp_path: Path) -> None:
+    from corral.sandbox import node as node_mod
+
+    with pytest.raises(UsageError, match=r"--share .*missing: not a directory"):
+        node_mod.python_layout([str(tmp_path / "missing")])
+    with pytest.raises(UsageError, match=r"--share /var/tmp: all of /var/tmp"):
+        node_mod.python_layout(["/var/tmp"])
+
+
+@pytest.mark.sandbox
+def test_shared_directory_is_the_heads_on_every_node(own_sandbox, tmp_path: Path) -> None:
+    """--share: a head directory under /tmp, seen (and written) by every node as is."""
+    shared = tmp_path / "nfs"
+    shared.mkdir()
+    sb = own_sandbox("h")
+    sb.up(2, share=[str(shared)])
+    (shared / "from-head").write_text("head\n")
+    for node in sb.nodes:
+        assert sb.exec(node, ["cat", str(shared / "from-head")]).stdout == "head\n"
+    assert sb.exec(sb.nodes[1], ["touch", str(shared / "from-node")]).returncode == 0
+    assert (shared / "from-node").exists()
+    (tmp_path / "not-shared").write_text("head only\n")  # the rest of /tmp stays private
+    assert sb.exec(sb.nodes[0], ["test", "-e", str(tmp_path / "not-shared")]).returncode == 1
+    with pytest.raises(SandboxError, match="shares"):
+        sb.up(share=[])
+
+
+def test_node_nsswitch_takes_host_names_from_files_only() -> None:
+    head = "passwd: files systemd\nhosts:          files mdns4_minimal [NOTFOUND=return] dns\nnetworks: files\n"
+    text = files.node_nsswitch(head)
+    assert [l for l in text.splitlines() if l.startswith("hosts")] == ["hosts: files"]
+    assert "passwd: files systemd" in text and "networks: files" in text
+    assert files.node_nsswitch(None).splitlines()[-1] == "hosts: files"
+
+
+#: Lines a sandbox run must not show: torchrun's OMP banner, c10d's failed
+#: reverse lookups (nodes had no DNS), torch importing without numpy.
+_NOISE = ("OMP_NUM_THREADS", "*****", "hostname of the client socket cannot be retrieved",
+          "Failed to initialize NumPy")
+
+
+@pytest.mark.sandbox
+def test_a_torchrun_run_on_the_sandbox_shows_only_lines_that_matter(sandbox: Sandbox) -> None:
+    scratch = REPO_ROOT / "scratch" / f"sb-{os.getpid()}-{uuid.uuid4().hex[:6]}"  # shared like NFS
+    scratch.mkdir(parents=True)
+    try:
+        (scratch / "ar.py").write_text(
+            "import torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "t = torch.ones(1)\n"
+            "dist.all_reduce(t)\n"
+            "print('sum', int(t.item()), flush=True)\n"
+        )
+        proc = subprocess.run([sys.executable, "-m", "corral", "run", "-c", str(sandbox.cluster_file), "ar.py"],
+                              cwd=scratch, capture_output=True, text=True, timeout=240, check=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    world = 2 * len(sandbox.nodes)
+    assert proc.stdout.count(f"sum {world}") == world
+    both = proc.stdout + proc.stderr
+    assert not [line for line in both.splitlines() if any(n in line for n in _NOISE)], both
+
+
+def _as_user(user: str, *argv: str, home: Path) -> subprocess.CompletedProcess:
+    """Run corral's CLI as ``user`` through the system Python (this session's
+    interpreter may live under /root, which other users cannot read)."""
+    deps = [p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), *deps])}
+    return subprocess.run([shutil.which("runuser"), "-u", user, "--", "/usr/bin/python3", "-m", "corral", *argv],
+                          env=env, capture_output=True, text=True, timeout=120, cwd="/", check=False)
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_a_sandbox_started_for_a_user_is_usable_by_that_user(tmp_path: Path) -> None:
+    """`sudo corral sandbox up --for USER`: USER lists it, sees its real status,
+    reads its cluster file and logs in to a node with its key."""
+    if not os.path.exists("/usr/bin/python3") or shutil.which("runuser") is None:
+        pytest.skip("needs /usr/bin/python3 and runuser")
+    user = "nobody"
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, pwd.getpwnam(user).pw_uid, -1)
+    os.chmod(tmp_path, 0o755)
+    tag = f"v{os.getpid()}u"
+    sb = Sandbox(name=tag, prefix=f"{tag}n")
+    try:
+        sb.up(2, with_keys=True, for_user=user)
+        assert str(sb.state_dir).startswith("/var/lib/corral/sandbox/")
+        listed = _as_user(user, "sandbox", "list", "--json", home=home)
+        assert listed.returncode == 0, listed.stderr
+        row = next(r for r in json.loads(listed.stdout) if r["name"] == tag)
+        assert row["nodes"] == 2 and row["up"] is True, row
+        status = _as_user(user, "sandbox", "status", "--name", tag, "--json", home=home)
+        assert status.returncode == 0, status.stderr
+        assert [n["state"] for n in json.loads(status.stdout)["nodes"]] == ["running", "running"]
+        hosts = _as_user(user, "hosts", "-c", str(sb.cluster_file), "--json", home=home)
+        assert hosts.returncode == 0, hosts.stderr
+        login = subprocess.run(["runuser", "-u", user, "--", "ssh", "-F", str(sb.ssh_config), "-o", "BatchMode=yes",
+                                sb.nodes[1], "hostname"], capture_output=True, text=True, timeout=60, check=False)
+        assert login.stdout.strip() == sb.nodes[1], login.stderr
+        # Inside the nodes, the sandboxes' state (head keys, every node's files) is hidden.
+        assert sb.exec(sb.nodes[0], ["ls", "-A", "/var/lib/corral/sandbox"], check=True).stdout == ""
+        # The nodes' own files (host keys, shadow) stay root's; nothing is the user's to change.
+        shadow = sb.node_dir(sb.nodes[0]) / "etc" / "shadow"
+        peek = subprocess.run([shutil.which("runuser"), "-u", user, "--", "cat", str(shadow)],
+                              capture_output=True, text=True, timeout=30, check=False)
+        assert peek.returncode != 0 and "Permission denied" in peek.stderr
+        assert all(os.stat(p).st_uid == 0 for p in [sb.state_dir, *sb.state_dir.iterdir()]
+                   if p.name != "id_ed25519")
+    finally:
+        sb.down()
+    assert not sb.state_dir.exists()
+
+
+def test_for_a_user_that_does_not_exist_is_a_usage_error() -> None:
+    from corral.sandbox import access
+
+    with pytest.raises(UsageError, match="--for no-such-user-x: no such user"):
+        access.user("no-such-user-x")
+    with pytest.raises(UsageError, match="--for root"):
+        access.user("root")

@@ -323,6 +323,8 @@ def build_plan(
             "CORRAL_STACK_SIGNAL": str(STACK_SIGNAL),
         })
         env.update(cmd.env)
+        for key, value in cmd.env_defaults.items():
+            env.setdefault(key, value)
         cwd = spec.workdir or cluster.workdir_for(host) or head_cwd
         nodes.append(NodePlan(
             host=host, node_rank=rank, nproc=nproc, first_rank=ctx.first_rank,

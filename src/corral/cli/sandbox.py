@@ -9,6 +9,7 @@ from collections.abc import Callable
 import click
 from rich.table import Table
 
+from corral.errors import CorralError
 from corral.sandbox import DEFAULT_NAME, Sandbox, SandboxStatus, format_rate, present_sandboxes
 from corral.ui import console, notice
 
@@ -45,9 +46,10 @@ def sandbox() -> None:
 
     Each node has its own network namespace (eth0 on a bridge, its own
     address, optional rate limit), hostname, PID namespace, a real OpenSSH
-    sshd, and private ~/.ssh, /tmp, /var/tmp, /srv and /home; the rest of the
-    filesystem (Python, your virtual environment, the repository) is shared,
-    like machines booted from one image.  Needs root.
+    sshd, private ~/.ssh, /tmp, /var/tmp, /srv and /home, and its own /etc
+    (the head's with the node's accounts and hosts on top); the rest of the
+    filesystem (Python, your virtual environment) is shared, like machines
+    booted from one image.  Needs root; `up --for USER` lets USER use it.
 
     \b
     Rehearse a multi-node run:
@@ -70,12 +72,20 @@ def sandbox() -> None:
 @click.option("--slots", type=int, help="Processes per node written to the hostfile and corral.toml [default: 2].")
 @click.option("--prefix", help="Node name prefix for a new sandbox [default: node -> node1..nodeN].")
 @click.option("--subnet", help="IPv4 subnet for the nodes [default: a free /24 derived from the name].")
+@click.option("--share", "share", multiple=True, metavar="DIR",
+              help="Mount this head directory under /tmp, /var/tmp or /srv through into every node "
+                   "(like an NFS-mounted project; else those stay private per node). Repeatable.")
+@click.option("--for", "for_user", metavar="USER",
+              help="Let USER (not root) use the sandbox: read its files, use its head key, see its "
+                   "status. Its state then lives in /var/lib/corral/sandbox/NAME. With --with-keys "
+                   "USER logs in to the nodes as root: give it only to a user you would give root.")
 @_instance_options
 @_json_option
 def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | None,
        password_auth: bool | None, password: str | None, extra_nic: tuple[str, ...],
        slots: int | None, prefix: str | None,
-       subnet: str | None, name: str, state_dir: str | None, as_json: bool) -> None:
+       subnet: str | None, share: tuple[str, ...], for_user: str | None, name: str,
+       state_dir: str | None, as_json: bool) -> None:
     """Start a sandbox of N nodes; idempotent.
 
     On a running sandbox, `up` (N and flags may be left out) repairs it:
@@ -84,7 +94,8 @@ def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | 
     """
     sb = _sandbox(name, state_dir, prefix)
     status = sb.up(n, rate=rate, ssh_port=ssh_port, with_keys=with_keys, password_auth=password_auth,
-                   password=password, extra_nic=extra_nic or None, slots=slots, subnet=subnet)
+                   password=password, extra_nic=extra_nic or None, slots=slots, subnet=subnet,
+                   share=share or None, for_user=for_user)
     if as_json:
         _print_json(status.to_dict())
     else:
@@ -146,7 +157,12 @@ def list_(as_json: bool) -> None:
     """List the sandboxes on this machine (found from namespaces and /etc/hosts)."""
     rows = []
     for name in present_sandboxes():
-        st = Sandbox(name=name).status()
+        try:
+            st = Sandbox(name=name).status()
+        except CorralError as err:  # root's, not readable by this user
+            rows.append({"name": name, "state_dir": None, "nodes": None, "up": None,
+                         "error": err.message})
+            continue
         rows.append({"name": name, "state_dir": st.state_dir if st.exists else None,
                      "nodes": len(st.nodes), "up": st.up})
     if as_json:
@@ -159,9 +175,14 @@ def list_(as_json: bool) -> None:
     for col in ("name", "nodes", "up", "state dir"):
         table.add_column(col)
     for row in rows:
+        if row["state_dir"]:
+            where = row["state_dir"]
+        elif "error" in row:
+            where = "(not readable by you: sudo, or root's `up --for $USER`)"
+        else:
+            where = "(elsewhere: pass --state-dir to other commands)"
         table.add_row(row["name"], str(row["nodes"]) if row["state_dir"] else "?",
-                      "yes" if row["up"] else "no",
-                      row["state_dir"] or "(elsewhere: pass --state-dir to other commands)")
+                      "?" if row["up"] is None else ("yes" if row["up"] else "no"), where)
     console().print(table)
 
 

@@ -55,6 +55,9 @@ class NodeCommand:
     argv: tuple[str, ...]
     #: Variables this launcher sets on top of the common contract.
     env: dict[str, str] = field(default_factory=dict)
+    #: Variables this launcher sets only where the job's environment (the
+    #: head's allow-listed variables, the cluster file, --env) does not.
+    env_defaults: dict[str, str] = field(default_factory=dict)
     #: Global rank of the launcher process's own output, when the launcher
     #: process *is* a rank (Lightning's local rank 0, `command`); None when
     #: it is a process manager (torchrun, accelerate, deepspeed).

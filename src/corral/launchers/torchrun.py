@@ -9,6 +9,11 @@ On nodes without GPUs, ``ACCELERATE_USE_CPU=1`` (as the accelerate launcher
 sets): Hugging Face Accelerate, and the transformers ``Trainer`` built on it,
 join torchrun's ranks into one gloo group only when told the node is a CPU
 one; without it every rank trains a copy of its own, silently.
+
+With several processes per node, ``OMP_NUM_THREADS=1`` unless the job sets
+it: the value torchrun picks itself, but torchrun then prints a five-line
+banner on every node of every run ("Setting OMP_NUM_THREADS environment
+variable for each process to be 1 in default...").  ``--dry-run`` lists it.
 """
 
 from __future__ import annotations
@@ -31,4 +36,5 @@ def plan(ctx: NodeContext) -> NodeCommand:
     env = node_env(ctx)
     if ctx.world_size > 1 and not ctx.gpus:
         env["ACCELERATE_USE_CPU"] = "1"
-    return NodeCommand(argv=tuple(argv), env=env)
+    defaults = {"OMP_NUM_THREADS": "1"} if ctx.nproc > 1 else {}
+    return NodeCommand(argv=tuple(argv), env=env, env_defaults=defaults)

@@ -1,10 +1,10 @@
 """A simulated multi-node cluster on one Linux machine (``corral sandbox``).
 
 Each node is a set of Linux namespaces (network, PID, mount, UTS, IPC) with
-an ``eth0`` on a bridge of its own, a real OpenSSH sshd, its own hostname and
-node-private ``~/.ssh``, ``/tmp``, ``/var/tmp``, ``/srv`` and ``/home``;
-everything else (``/usr``, the Python environment, the repository) is shared,
-like machines booted from one image.  Users rehearse multi-node runs on it
+an ``eth0`` on a bridge of its own, a real OpenSSH sshd, its own hostname,
+node-private ``~/.ssh``, ``/tmp``, ``/var/tmp``, ``/srv`` and ``/home`` and its
+own ``/etc`` (an overlay of the head's); everything else (``/usr``, the Python
+environment) is shared, like machines booted from one image.  Users rehearse multi-node runs on it
 before renting GPUs; corral's own multi-node tests and benchmarks run on it.
 
 Library use::

@@ -25,8 +25,10 @@ from corral.sandbox.spec import TEST_USER, SandboxSpec
 ETC_HOSTS = Path("/etc/hosts")
 #: The state file in a sandbox's state directory (its presence means "this is a sandbox").
 STATE_FILE = "sandbox.json"
-#: Directories bind-mounted over their namesakes inside a node, with their modes.
-NODE_DIRS = {"ssh": 0o700, "tmp": 0o1777, "var-tmp": 0o1777, "srv": 0o755, "home": 0o755}
+#: Directories bind-mounted over their namesakes inside a node, with their modes;
+#: ``etc`` seeds the upper layer of the node's /etc overlay.
+NODE_DIRS = {"ssh": 0o700, "tmp": 0o1777, "var-tmp": 0o1777, "srv": 0o755, "home": 0o755,
+             "etc": 0o755}
 SFTP_SERVERS = ("/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-server", "/usr/libexec/sftp-server")
 
 
@@ -38,13 +40,15 @@ class HostEntry:
     name: str
 
 
-def write_text(path: Path, text: str, mode: int = 0o644) -> None:
+def write_text(path: Path, text: str, mode: int = 0o644, group: int | None = None) -> None:
     """Write atomically (tmp + rename) with ``mode``: readers never see half a file."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
-    os.chmod(tmp, mode)
+        if group is not None:
+            os.fchown(fh.fileno(), -1, group)
+        os.fchmod(fh.fileno(), mode)
     os.replace(tmp, path)
 
 
@@ -70,11 +74,32 @@ def block_names(text: str) -> list[str]:
     return re.findall(r"^# corral-sandbox (\S+) begin$", text, re.MULTILINE)
 
 
-def hosts_block(name: str, entries: Sequence[HostEntry]) -> str:
+def hosts_block(name: str, entries: Sequence[HostEntry], state_dir: Path | None = None) -> str:
+    """The sandbox's block; ``state_dir`` is recorded in it (``# state-dir PATH``)
+    so commands run by another user, or without ``--state-dir``, find the sandbox."""
     lines = [_marker(name, "begin")]
+    if state_dir is not None and not re.search(r"[\x00-\x1f]", str(state_dir)):
+        lines.append(f"# state-dir {state_dir}")
     lines += [f"{e.address}\t{e.name}" for e in entries]
     lines.append(_marker(name, "end"))
     return "\n".join(lines) + "\n"
+
+
+def recorded_state_dir(name: str) -> Path | None:
+    """Where sandbox ``name`` keeps its state, as its /etc/hosts block says."""
+    try:
+        return block_state_dirs(ETC_HOSTS.read_text()).get(name)
+    except OSError:
+        return None
+
+
+def block_state_dirs(text: str) -> dict[str, Path]:
+    """Sandbox name -> the state directory its /etc/hosts block records."""
+    found = {}
+    pattern = re.compile(r"^# corral-sandbox (\S+) begin\n# state-dir (/.*)$", re.MULTILINE)
+    for match in pattern.finditer(text):
+        found[match.group(1)] = Path(match.group(2))
+    return found
 
 
 def names_claimed(text: str, *, exclude: str) -> dict[str, str]:
@@ -131,15 +156,32 @@ class _Writer:
         self._fh.flush()
 
 
-def with_block(text: str, name: str, entries: Sequence[HostEntry]) -> str:
+def with_block(text: str, name: str, entries: Sequence[HostEntry],
+               state_dir: Path | None = None) -> str:
     base = strip_blocks(text, name)
     if base and not base.endswith("\n"):
         base += "\n"
-    return base + hosts_block(name, entries) if entries else base
+    return base + hosts_block(name, entries, state_dir) if entries else base
 
 
 # ---------------------------------------------------------------------------
 # per-node files
+
+
+def node_nsswitch(head: str | None) -> str:
+    """A node's /etc/nsswitch.conf: the head's, with host names from /etc/hosts only.
+
+    Nodes have no route to a DNS server, so a lookup that misses /etc/hosts
+    failed with "temporary failure in name resolution" where a real network's
+    DNS answers "no such name" at once.  torch's TCPStore asks for the name of
+    every client (``::ffff:10.x.y.z``: the files resolver does not unmap it)
+    and warned "The hostname of the client socket cannot be retrieved" for
+    every rank of every run; now the lookup falls back to the address.
+    """
+    lines = [l for l in (head or "").splitlines() if not re.match(r"\s*hosts\s*:", l)]
+    lines += ["# corral sandbox: nodes have no DNS server; host names come from /etc/hosts",
+              "hosts: files"]
+    return "\n".join(lines) + "\n"
 
 
 def sshd_config(spec: SandboxSpec, *, run_dir: str) -> str:
@@ -339,6 +381,10 @@ def read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except PermissionError:
+        raise SandboxError(f"{path}: not readable by you (uid {os.getuid()}): it is root's",
+                           hint="run it with sudo, or have root start the sandbox for you: "
+                                "sudo corral sandbox up N --with-keys --for $USER") from None
     except (OSError, ValueError) as err:
         raise SandboxError(f"{path}: unreadable sandbox state ({err})", hint="corral sandbox down, then up again") from None
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from corral.errors import SandboxError, UsageError
 from corral.model import Cluster, Host
-from corral.sandbox import files, netns, preflight
+from corral.sandbox import access, files, netns, preflight
 from corral.sandbox import node as nodes_mod
 from corral.sandbox import spec as specs
 from corral.sandbox.files import STATE_FILE
@@ -36,9 +36,9 @@ from corral.sandbox.teardown import OWNED, TeardownOps
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-#: Where the node-private directories appear inside a node.
-PRIVATE_DIRS = ("~/.ssh", "/tmp", "/var/tmp", "/srv", "/home", "/dev/shm", "/run",
-                "/etc/hosts", "/etc/passwd", "/etc/shadow", "/etc/group")
+#: Where the node-private directories appear inside a node (/etc: the head's,
+#: with the node's own hosts, passwd, shadow, group and changes on top).
+PRIVATE_DIRS = ("~/.ssh", "/tmp", "/var/tmp", "/srv", "/home", "/dev/shm", "/run", "/etc")
 
 
 class Sandbox(NodeOps, TeardownOps):
@@ -53,7 +53,12 @@ class Sandbox(NodeOps, TeardownOps):
     def __init__(self, name: str | None = None, *, state_dir: str | os.PathLike | None = None,
                  prefix: str | None = None):
         self.name = specs.check_name(name or specs.default_name())
+        self._explicit_dir = bool(state_dir or os.environ.get("CORRAL_SANDBOX_DIR"))
         where = Path(state_dir).expanduser() if state_dir else specs.default_state_dir(self.name)
+        if not self._explicit_dir and not os.path.exists(where / STATE_FILE):
+            # Started elsewhere (by root --for this user, or with --state-dir): its
+            # /etc/hosts block says where.
+            where = files.recorded_state_dir(self.name) or where
         self.state_dir = where.absolute()
         self.prefix = specs.check_prefix(prefix) if prefix else None
 
@@ -139,6 +144,8 @@ class Sandbox(NodeOps, TeardownOps):
         extra_nic: str | Sequence[str] | None = None,
         slots: int | None = None,
         subnet: str | None = None,
+        share: Sequence[str] | None = None,
+        for_user: str | None = None,
     ) -> SandboxStatus:
         """Bring up ``n`` nodes, or converge a running sandbox back to its settings.
 
@@ -148,6 +155,10 @@ class Sandbox(NodeOps, TeardownOps):
         Asking a running sandbox for a different node count, port, keys,
         password auth, NICs or subnet is refused (``down`` first).  ``rate``
         is ``"200mbit"``, bits/s, or ``"off"``; it and ``slots`` may change.
+        ``share``: head directories under /tmp, /var/tmp or /srv to mount
+        through into every node (an NFS-mounted project); the rest of those
+        stays private to each node.  ``for_user``: a login that may use the
+        sandbox without root (``--for``; see ``corral.sandbox.access``).
         """
         request = specs.UpRequest(
             nodes=n, rate=_rate(rate), ssh_port=ssh_port, with_keys=with_keys,
@@ -160,7 +171,12 @@ class Sandbox(NodeOps, TeardownOps):
                 hint=f"corral sandbox up 4 --with-keys{_name_flag(self.name)}",
             )
         tools = preflight.check()
-        python, private_home, shares = nodes_mod.python_layout()
+        python, private_home, shares = nodes_mod.python_layout(share or ())
+        owner = access.user(for_user) if for_user else None
+        if owner is not None:
+            if not self._explicit_dir and not os.path.exists(self.state_dir / STATE_FILE):
+                self.state_dir = access.shared_state_dir(self.name)
+            access.check_reachable(self.state_dir, owner)
         self._claim_state_dir()
         with self._lock():
             state = self._load()
@@ -168,6 +184,8 @@ class Sandbox(NodeOps, TeardownOps):
                 running = state_spec(state)
                 sp = request.resolve(self.name, running)
                 diffs = running.differences(sp)
+                if share is not None and shares != state.get("shares", []):
+                    diffs.append(f"shares: running {state.get('shares', [])!r}, asked {shares!r}")
                 if diffs:
                     raise SandboxError(
                         f"sandbox {self.name!r} is already up with other settings ({'; '.join(diffs)})",
@@ -182,6 +200,8 @@ class Sandbox(NodeOps, TeardownOps):
                 sp = request.resolve(self.name, None)
                 state = {"version": STATE_VERSION, "python": python, "private_home": private_home,
                          "shares": shares, "created": time.time(), "rates": {}}
+            if owner is not None:
+                state["for_user"] = owner.pw_name
             if password is not None and not sp.password_auth:
                 raise UsageError("--password only makes sense with --password-auth",
                                  hint="corral sandbox up 4 --password-auth --password SECRET")
@@ -191,6 +211,8 @@ class Sandbox(NodeOps, TeardownOps):
             self._start_nodes(sp, state, tools)
             self._check_mesh(sp)
             self._write_head_files(sp, state)
+            if state.get("for_user"):
+                access.grant(self.state_dir, access.user(state["for_user"]))
         return self.status()
 
     def _claim_state_dir(self) -> None:
@@ -232,7 +254,7 @@ class Sandbox(NodeOps, TeardownOps):
             state["spec"] = spec_dict(sp)
             self._save(state)
             self._ensure_bridges(sp)
-            write(files.with_block(text, self.name, self._host_entries(sp)))
+            write(files.with_block(text, self.name, self._host_entries(sp), self.state_dir))
         return sp
 
     def _ensure_bridges(self, sp: SandboxSpec) -> None:
@@ -267,6 +289,10 @@ class Sandbox(NodeOps, TeardownOps):
     def _prepare_files(self, sp: SandboxSpec, state: dict, password: str | None) -> None:
         base_hosts = files.strip_blocks(files.ETC_HOSTS.read_text())
         hosts_text = files.with_block(base_hosts, self.name, self._host_entries(sp))
+        try:
+            nsswitch = files.node_nsswitch(Path("/etc/nsswitch.conf").read_text())
+        except FileNotFoundError:
+            nsswitch = files.node_nsswitch(None)
         passwd, shadow, group = (Path(p).read_text() for p in ("/etc/passwd", "/etc/shadow", "/etc/group"))
         test_user = None
         if sp.password_auth:
@@ -289,7 +315,7 @@ class Sandbox(NodeOps, TeardownOps):
             key = Path(str(self.identity_file) + ".pub").read_text()
         for nn in sp.all_nodes():
             nodes_mod.prepare_dir(self.node_dir(nn.name), sp, nn, hosts_text=hosts_text,
-                                  accounts=accounts, authorized_key=key,
+                                  nsswitch_text=nsswitch, accounts=accounts, authorized_key=key,
                                   private_home=state["private_home"])
         files.generate_host_keys([self.node_dir(nn.name) for nn in sp.all_nodes()],
                                  [f"root@{nn.name}" for nn in sp.all_nodes()])
@@ -337,8 +363,9 @@ class Sandbox(NodeOps, TeardownOps):
     def _start_nodes(self, sp: SandboxSpec, state: dict, tools: dict[str, str]) -> None:
         running = netns.pids_by_netns([nn.netns for nn in sp.all_nodes()])
         hide = [str(self.state_dir)]
-        if specs.state_base().is_dir():
-            hide.append(str(specs.state_base().absolute()))
+        for base in (specs.state_base(), access.SHARED_BASE):  # other sandboxes' keys, too
+            if base.is_dir() and str(base.absolute()) not in hide:
+                hide.append(str(base.absolute()))
         home = pwd.getpwuid(0).pw_dir
         for nn in sp.all_nodes():
             if netns.find_init(running[nn.netns]) is not None:
@@ -396,7 +423,11 @@ class Sandbox(NodeOps, TeardownOps):
         sp = state_spec(state)
         present = netns.links()
         spaces = set(netns.netns_list())
-        pids = netns.pids_by_netns([nn.netns for nn in sp.all_nodes()])
+        if os.geteuid() == 0:
+            pids = netns.pids_by_netns([nn.netns for nn in sp.all_nodes()])
+        else:  # root's namespaces are not ours to read (a sandbox started --for us)
+            dirs = {nn.netns: str(self.node_dir(nn.name)) for nn in sp.all_nodes()}
+            pids = netns.pids_by_init(dirs)
         rates = state.get("rates", {})
         out = []
         for nn in sp.all_nodes():
@@ -433,7 +464,9 @@ class Sandbox(NodeOps, TeardownOps):
         return state
 
     def _save(self, state: dict) -> None:
-        files.write_text(self.state_dir / STATE_FILE, nodes_mod.dump_json(state), mode=0o600)
+        mode, group = access.state_file_mode(state.get("for_user"))
+        files.write_text(self.state_dir / STATE_FILE, nodes_mod.dump_json(state),
+                         mode=mode, group=group)
 
     @contextmanager
     def _lock(self) -> Iterator[None]:

@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from corral.errors import SandboxError
 
@@ -169,6 +169,41 @@ def pids_by_netns(names: Iterable[str]) -> dict[str, list[int]]:
         key = _ns_key(f"/proc/{entry}/ns/net")
         if key in keys:
             result[keys[key]].append(int(entry))
+    return result
+
+
+def pids_by_init(node_dirs: Mapping[str, str]) -> dict[str, list[int]]:
+    """``pids_by_netns`` for a user who may not read root's namespaces (status
+    as non-root): each node's init, found by its command line
+    (``nodeinit.py --node-dir DIR``), and the processes descended from it.
+    ``node_dirs``: namespace name -> node directory."""
+    by_dir = {d: ns for ns, d in node_dirs.items()}
+    parent: dict[int, int] = {}
+    inits: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        ppid = _ppid(pid)
+        if ppid is None:
+            continue
+        parent[pid] = ppid
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                args = fh.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "--node-dir" in args[:-1] and any(a.endswith("nodeinit.py") for a in args):
+            ns = by_dir.get(args[args.index("--node-dir") + 1])
+            if ns is not None:
+                inits[pid] = ns
+    result: dict[str, list[int]] = {ns: [] for ns in node_dirs}
+    for pid in parent:
+        hop, steps = pid, 0
+        while hop not in inits and hop in parent and steps < 64:
+            hop, steps = parent[hop], steps + 1
+        if hop in inits and _alive(pid):
+            result[inits[hop]].append(pid)
     return result
 
 

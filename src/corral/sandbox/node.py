@@ -1,8 +1,9 @@
 """One node's life: its directory, its network, its init process, its readiness.
 
 A node's state directory (``<state>/nodes/<name>``) holds everything that
-makes it a distinct machine: its host key, its sshd_config, its account
-files, and the directories bind-mounted over ``~/.ssh``, ``/tmp``,
+makes it a distinct machine: its host key, its sshd_config, the upper
+layer of its ``/etc`` (its own hosts and account files, and what it
+changes), and the directories bind-mounted over ``~/.ssh``, ``/tmp``,
 ``/var/tmp``, ``/srv`` and ``/home`` inside it.  It survives ``stop`` and a
 re-``up`` (like a disk survives a reboot) and goes with ``down``.
 """
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.errors import SandboxError
+from corral.errors import SandboxError, UsageError
 from corral.sandbox import files, netns
 from corral.sandbox.spec import DECOY_ADDRESS, NodeNames, SandboxSpec
 
@@ -51,6 +52,7 @@ def prepare_dir(
     node: NodeNames,
     *,
     hosts_text: str,
+    nsswitch_text: str,
     accounts: Accounts,
     authorized_key: str | None,
     private_home: bool,
@@ -63,10 +65,12 @@ def prepare_dir(
         path.mkdir(exist_ok=True)
         os.chmod(path, mode)
     files.write_text(node_dir / "sshd_config", files.sshd_config(spec, run_dir="/run/corral/node"))
-    files.write_text(node_dir / "hosts", hosts_text)
-    files.write_text(node_dir / "passwd", accounts.passwd)
-    files.write_text(node_dir / "group", accounts.group)
-    files.write_text(node_dir / "shadow", accounts.shadow, mode=0o600)
+    etc = node_dir / "etc"  # the upper layer of the node's /etc
+    files.write_text(etc / "hosts", hosts_text)
+    files.write_text(etc / "nsswitch.conf", nsswitch_text)
+    files.write_text(etc / "passwd", accounts.passwd)
+    files.write_text(etc / "group", accounts.group)
+    files.write_text(etc / "shadow", accounts.shadow, mode=0o600)
     if authorized_key:
         _authorize(node_dir / "ssh" / "authorized_keys", authorized_key)
     if accounts.test_user is not None:
@@ -257,33 +261,39 @@ def dump_json(obj: object) -> str:
 _NODE_LOCAL = ("/tmp", "/var/tmp", "/srv")
 
 
-def python_layout() -> tuple[str, bool, list[str]]:
+def python_layout(share: Sequence[str] = ()) -> tuple[str, bool, list[str]]:
     """The interpreter nodes run, whether /home can be node-private, and shares.
 
     Nodes share the head's filesystem except their private directories, like
-    machines booted from one image; the head's Python (and corral's source
-    tree, for an editable install) must be visible there.  When one of them
-    lives under a node-private directory (a checkout in /tmp, as CI systems
-    often make), that one path is mounted through into every node: the
-    *shares*.  Everything else under /tmp, /var/tmp and /srv stays private.
+    machines booted from one image; the head's Python must be visible there.
+    When it lives under a node-private directory (a virtual environment in
+    /tmp or /var/tmp, as CI systems often make), exactly the interpreter's
+    directories are mounted through into every node: the *shares*.  Never the
+    project around them, nor corral's own source tree (nodes get corral's
+    agent over ssh, as real machines do): a project in /var/tmp stays on the
+    head, so ``corral sync`` has real work to do, as between machines.
+    ``share``: directories the user asks to see on every node (``--share``,
+    like an NFS-mounted project); outside the node-private directories they
+    are shared anyway.
     """
     python = sys.executable
     paths = {os.path.abspath(p) for p in (python, sys.prefix, sys.base_prefix)}
     paths.add(os.path.realpath(python))
     wanted = {os.path.abspath(sys.prefix), os.path.dirname(os.path.realpath(python)),
               os.path.abspath(sys.base_prefix)}
-    source = Path(__file__).resolve().parents[3]  # <root>/src/corral/sandbox/node.py
-    if (source / "pyproject.toml").is_file():
-        wanted.add(str(source))
     shares = []
     for path in sorted(wanted):
-        if any(path == d or path.startswith(d + "/") for d in _NODE_LOCAL):
-            if any(path == d for d in _NODE_LOCAL):
+        if _node_local(path):
+            if path in _NODE_LOCAL:
                 raise SandboxError(f"this Python ({python}) lives directly in {path}, which is private "
                                    "to each sandbox node",
                                    hint="install corral in a virtual environment in a directory of its own")
-            if not any(path.startswith(s + "/") for s in shares):
-                shares.append(path)
+            shares.append(path)
+    for path in share:
+        checked = _checked_share(path)
+        if _node_local(checked):
+            shares.append(checked)
+    shares = sorted(set(shares))
     shares = [p for p in shares if not any(p != q and p.startswith(q + "/") for q in shares)]
     if shares:
         log.info("mounted through into every node (they live under node-private directories): %s",
@@ -292,6 +302,22 @@ def python_layout() -> tuple[str, bool, list[str]]:
     if not private_home:
         log.info("/home is shared with the nodes: this Python lives there (%s)", python)
     return python, private_home, shares
+
+
+def _node_local(path: str) -> bool:
+    return any(path == d or path.startswith(d + "/") for d in _NODE_LOCAL)
+
+
+def _checked_share(path: str) -> str:
+    """An absolute, existing directory that is not a node-private directory itself."""
+    resolved = os.path.realpath(path)
+    if not os.path.isdir(resolved):
+        raise UsageError(f"--share {path}: not a directory on this machine",
+                         hint="name an existing directory, e.g. --share /var/tmp/data")
+    if resolved in _NODE_LOCAL:
+        raise UsageError(f"--share {path}: all of {resolved} would stop being private to each node",
+                         hint=f"share a directory inside it, e.g. --share {resolved}/data")
+    return resolved
 
 
 def ensure_mountpoints(private_home: bool) -> None:

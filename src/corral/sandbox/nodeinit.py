@@ -12,9 +12,15 @@ the node look like a separate machine booted from the same image:
 - hostname = node name;
 - a fresh ``/proc`` (``ps`` shows only this node) and a private ``/run``
   (sshd's privilege-separation directory lives there);
-- node-private ``~/.ssh``, ``/tmp``, ``/var/tmp``, ``/srv``, ``/home``,
-  ``/dev/shm``, ``/etc/hosts``, ``/etc/passwd``, ``/etc/shadow``,
-  ``/etc/group``, bind-mounted from the node's state directory;
+- node-private ``~/.ssh``, ``/tmp``, ``/var/tmp``, ``/srv``, ``/home`` and
+  ``/dev/shm``, bind-mounted from the node's state directory;
+- a node-private ``/etc``: an overlay whose lower layer is the head's
+  ``/etc`` (the shared image) and whose upper layer holds the node's own
+  ``hosts``, ``passwd``, ``shadow``, ``group`` (from its state directory)
+  and whatever the node changes until it stops.  Not bind mounts of single files:
+  the kernel detaches a mount whose file is renamed over in another mount
+  namespace, so a ``useradd`` on the head (it renames a new ``/etc/passwd``
+  into place) would silently hand every node the head's real files;
 - the sandbox state directory (head key, other nodes' files) hidden;
 - a real OpenSSH ``sshd -D``.
 
@@ -30,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import json
+import shutil
 import os
 import signal
 import socket
@@ -45,6 +53,8 @@ MS_BIND = 4096
 
 #: Where the node's state directory appears inside the node (private /run).
 NODE_RUN = "/run/corral/node"
+#: The upper layer of the node's /etc overlay (a tmpfs: its /etc changes last until it stops).
+ETC_LAYERS = "/run/corral/etc"
 #: Seconds processes get between SIGTERM and the kernel's SIGKILL at shutdown.
 GRACE = 3.0
 
@@ -105,15 +115,12 @@ def setup_mounts(args: argparse.Namespace) -> None:
         ("tmp", "/tmp"),
         ("var-tmp", "/var/tmp"),
         ("srv", "/srv"),
-        ("hosts", "/etc/hosts"),
-        ("passwd", "/etc/passwd"),
-        ("shadow", "/etc/shadow"),
-        ("group", "/etc/group"),
     ]
     if args.private_home:
         private.append(("home", "/home"))
     for name, target in private:
         bind(os.path.join(NODE_RUN, name), target)
+    overlay_etc()
     # The user's shell start-up files are the node's own, fresh from /etc/skel
     # like a newly installed machine: the head's (a pyenv or conda init, say)
     # would otherwise run in every node's login shell.
@@ -136,6 +143,32 @@ def setup_mounts(args: argparse.Namespace) -> None:
     for path in args.hide:
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=700,size=4k")
+
+
+def overlay_etc() -> None:
+    """Mount the node's own /etc: the head's as the lower layer, the node's files on top.
+
+    The node reads the head's /etc wherever it has no file of its own, and
+    every write (``useradd`` on the node, an edit of /etc/hosts) lands in
+    the upper layer, never on the head.  Nothing the head does to its own
+    /etc, renames included, can detach the node's account files.
+
+    The upper layer is a tmpfs seeded from ``<node>/etc`` (which ``up``
+    rewrites anyway): unmounting an overlay syncs its upper file system, and
+    on the head's disk that sync can outlast ``stop`` by seconds.
+    """
+    os.makedirs(ETC_LAYERS, mode=0o755)
+    mount("tmpfs", ETC_LAYERS, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
+    upper, work = os.path.join(ETC_LAYERS, "upper"), os.path.join(ETC_LAYERS, "work")
+    shutil.copytree(os.path.join(NODE_RUN, "etc"), upper, symlinks=True)
+    os.makedirs(work, mode=0o700)
+    try:
+        mount("overlay", "/etc", "overlay", 0, f"lowerdir=/etc,upperdir={upper},workdir={work}")
+    except OSError as err:
+        if err.errno == errno.ENODEV:
+            raise OSError(err.errno, "this kernel has no overlayfs for the node's /etc (`modprobe "
+                                     "overlay`, or a kernel built with CONFIG_OVERLAY_FS)") from None
+        raise
 
 
 def start_sshd(sshd: str) -> subprocess.Popen:
