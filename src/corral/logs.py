@@ -5,7 +5,7 @@ Layout (documented in docs/run.md; ``corral diagnose RUN_DIR`` reads it)::
     runs/<run-id>/
       run.json                  what ran where, how it ended, the first failure
       <host>/rank<N>.log        everything global rank N wrote (stdout + stderr)
-      <host>/launcher.log       the node's launcher's own output (torchrun's...)
+      <host>/launcher.log       the node's launcher's own output (torchrun's...), if any
 
 Progress-bar redraws are kept as written (terminated by ``\\r``) so the log is
 the full text; the console shows them as one live status line instead.
