@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from corral import ui
+from corral.cli.common import retired_short
 from corral.logs import default_runs_dir
 from corral.runs import list_runs
 
@@ -19,7 +20,8 @@ from corral.runs import list_runs
 @click.command(name="runs")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where run directories are. Default: $CORRAL_RUNS_DIR or ./runs.")
-@click.option("-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True,
+@retired_short("-n", now="--limit N", why="-n is --nproc-per-node in run and bench")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
               help="Show at most this many runs, newest first.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable list.")
 def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
