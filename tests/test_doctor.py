@@ -232,3 +232,18 @@ def test_smoke_test_names_the_link_that_fails(lab: Sandbox) -> None:
     assert outcome.status == "failed" and outcome.log
     assert {outcome.host, *outcome.peers} == {n2, n3}
     assert f"cannot open a TCP connection to {n3 if outcome.host == n2 else n2}" in outcome.message
+
+
+def test_doctor_with_no_node_reachable_exits_3(tmp_path: Path) -> None:
+    # Every host refused (nothing listens on port 1): doctor exited 1, "errors
+    # found", where the README's table (and docs/doctor.md) say 3: unreachable.
+    from click.testing import CliRunner
+
+    from corral.cli import cli
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 port=1\n127.0.0.2 port=1\n")
+    res = CliRunner().invoke(cli, ["doctor", "-c", str(hostfile), "--no-smoke", "--json"])
+    assert res.exit_code == 3, res.output
+    report = json.loads(res.stdout)
+    assert not report["ok"] and set(report["evidence"]["unreachable"]) == {"127.0.0.1", "127.0.0.2"}
