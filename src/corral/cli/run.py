@@ -130,6 +130,8 @@ def run(
     refuse_owned_options(launcher, tuple(launcher_args))
     env = parse_env_flags(env_flags, os.environ)  # an unset --env NAME before any connection
     cluster = cluster_opts.load()
+    if not module:
+        _refuse_missing_script(cluster, launcher, program, tuple(args), workdir, dry_run=dry_run)
     if sync_first:
         script = None if module else script_and_args(launcher, program, tuple(args))[0]
         _sync_project(cluster, program=script, workdir=workdir, dry_run=dry_run)
@@ -218,6 +220,41 @@ def _refuse_unknown_option(program: str) -> None:
         hint = f"did you mean {' or '.join(close)}?" if close else None
     raise UsageError(f"no such option: {name} (corral's options go before the script; "
                      "`corral run --help` lists them)", hint=hint)
+
+
+def _refuse_missing_script(cluster, launcher: str, program: str, args: tuple[str, ...],
+                           workdir: str | None, *, dry_run: bool) -> None:
+    """``corral run trian.py``: a script missing here too, where the nodes would
+    read it from this same directory, is a typo (exit 2, before connecting),
+    not an infrastructure failure (3) with "sync the project" after it.
+
+    Left to the nodes' preflight where they look elsewhere: a --workdir or a
+    cluster file's workdir, or an absolute path on a cluster of other machines
+    (a shared filesystem this machine may not mount)."""
+    import difflib
+
+    script, _ = script_and_args(launcher, program, args)
+    if launcher == "command" and script == program:
+        return  # a command, found on each node's PATH
+    path = Path(script).expanduser()
+    if workdir is not None or any(cluster.workdir_for(h) for h in cluster.hosts):
+        return
+    if path.is_absolute() and not cluster.is_local:
+        return
+    if (Path.cwd() / path).exists():
+        return
+    where = path.parent if path.is_absolute() else (Path.cwd() / path).parent
+    near = []
+    if where.is_dir():
+        near = difflib.get_close_matches(path.name, sorted(p.name for p in where.iterdir()), n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(str(path.parent / n) if str(path.parent) != '.' else n for n in near)}?" \
+        if near else "check the path"
+    if not cluster.is_local:
+        hint += "; a script that is only on the nodes: give --workdir DIR, where it is there"
+    if dry_run:  # shows the plan all the same
+        ui.notice(f"{script}: no such file in {where} ({hint})")
+        return
+    raise UsageError(f"{script}: no such file in {where}", hint=hint)
 
 
 def _refuse_launcher_as_program(program: str, args: tuple[str, ...]) -> None:
