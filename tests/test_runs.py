@@ -88,3 +88,36 @@ def test_head_killed_with_sigkill_shows_as_died(tmp_path: Path) -> None:
                                     text=True, check=False).stdout
                 raise AssertionError(f"the rank outlived its head by 20 s:\n{ps}")
             time.sleep(0.2)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "diagnose"
+
+
+def test_runs_on_a_terminal_never_cuts_the_run_id(tmp_path: Path, monkeypatch) -> None:
+    # At 80 and 120 columns rich shrank every column, the run id (what
+    # `corral diagnose` and `corral stacks` take) to `20261123-1…`.
+    import re
+    import shutil
+
+    from click.testing import CliRunner
+
+    from corral.cli import cli
+
+    ids = []
+    for fixture in sorted(FIXTURES.glob("run-*")):  # real run records: long failures, several launchers
+        run_id = json.loads((fixture / "run.json").read_text())["run_id"]
+        if run_id not in ids:
+            shutil.copytree(fixture, tmp_path / "runs" / run_id)
+            ids.append(run_id)
+    assert len(ids) >= 5
+    monkeypatch.setenv("FORCE_COLOR", "1")  # a terminal, as rich sees it
+    for columns in (80, 120):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        res = CliRunner().invoke(cli, ["runs", "--runs-dir", str(tmp_path / "runs")])
+        assert res.exit_code == 0, res.output
+        shown = re.sub(r"\x1b\[[0-9;]*m", "", res.stdout)
+        for run_id in ids:
+            row = next(line for line in shown.splitlines() if run_id in line)  # whole, on its own row
+            assert "failed" in row or "interrupted" in row, row
+            assert len(row.rstrip()) <= columns, row  # the failure is what gets cut, not the width
+        assert "…" in shown  # the long failures were cut to fit
