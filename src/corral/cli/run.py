@@ -21,9 +21,9 @@ from corral.console import RunConsole, parse_ranks
 from corral.errors import UsageError
 from corral.hostrange import fold
 from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
-from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, new_run_id, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
+from corral.runs import default_root, unwritable
 from corral.scriptcheck import module_for, relative_import_line, script_and_args, self_launch_note
 from corral.stacks import fold_ranks
 
@@ -70,7 +70,8 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
                    "(torchrun, accelerate) ranks are forked from one that has already imported torch, when "
                    "nothing they start with would differ; see docs/run.md, 'Preloaded ranks'.")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where run directories go. Default: $CORRAL_RUNS_DIR or ./runs.")
+              help="Where run directories go. Default: $CORRAL_RUNS_DIR, else ./runs, else (./runs not "
+                   "writable) $XDG_STATE_HOME/corral/runs, with a line saying so.")
 @click.option("--sync", "sync_first", is_flag=True,
               help="Sync the project to every node first, verified (as `corral sync`; docs/sync.md).")
 @click.option("--dry-run", is_flag=True, help="Print every node's command and environment; start nothing.")
@@ -129,6 +130,8 @@ def run(
             hint=f"give an absolute path, e.g. --workdir {Path(workdir).absolute()}")
     refuse_owned_options(launcher, tuple(launcher_args))
     env = parse_env_flags(env_flags, os.environ)  # an unset --env NAME before any connection
+    if not dry_run:
+        runs_dir = _writable_runs_dir(runs_dir)
     cluster = cluster_opts.load()
     if not module:
         _refuse_missing_script(cluster, launcher, program, tuple(args), workdir, dry_run=dry_run)
@@ -144,7 +147,7 @@ def run(
     if dry_run:
         _dry_run(cluster, spec, as_json)
         return
-    runs_dir = runs_dir or default_runs_dir(Path.cwd())
+    assert runs_dir is not None
     for _ in range(5):  # a leftover directory (or a clock set back): draw again
         if not (runs_dir / spec.run_id).exists():
             break
@@ -166,6 +169,28 @@ def run(
         view.close()
     _summary(result, as_json)
     sys.exit(result.exit_code)
+
+
+def _writable_runs_dir(given: Path | None) -> Path:
+    """Where this run's directory goes: --runs-dir, $CORRAL_RUNS_DIR, ./runs,
+    or (./runs not writable) the per-user state directory, with a line saying
+    so.  One that cannot be written is bad input named before anything starts
+    (it was a PermissionError traceback, and with --json empty stdout)."""
+    if given is not None:
+        why = unwritable(given)
+        if why:
+            raise UsageError(f"--runs-dir {given}: run directories cannot be written there ({why})",
+                             hint="give a directory you can write with --runs-dir DIR")
+        return given
+    root = default_root(Path.cwd())
+    if root.note:
+        ui.notice(root.note)
+    why = unwritable(root.path)
+    if why:
+        said = "$CORRAL_RUNS_DIR" if os.environ.get("CORRAL_RUNS_DIR") else "the per-user fallback"
+        raise UsageError(f"run directories cannot be written in {root.path} ({said}: {why})",
+                         hint="give a directory you can write with --runs-dir DIR or $CORRAL_RUNS_DIR")
+    return root.path
 
 
 def _sync_project(cluster, *, program: str | None, workdir: str | None, dry_run: bool) -> None:

@@ -13,20 +13,21 @@ from rich.table import Table
 
 from corral import ui
 from corral.cli.common import retired_short
-from corral.logs import default_runs_dir
-from corral.runs import list_runs
+from corral.runs import default_root, list_runs
 
 
 @click.command(name="runs")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where run directories are. Default: $CORRAL_RUNS_DIR or ./runs.")
+              help="Where run directories are. "
+                   "Default: $CORRAL_RUNS_DIR, else ./runs (where `corral run` could not write it: "
+                   "$XDG_STATE_HOME/corral/runs).")
 @retired_short("-n", now="--limit N", why="-n is --nproc-per-node in run and bench")
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
               help="Show at most this many runs, newest first.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable list.")
 def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
     """List the newest runs: status, launcher, ranks, duration, first failure."""
-    root = runs_dir or default_runs_dir(Path.cwd())
+    root = runs_dir or default_root(Path.cwd()).path
     records = list_runs(root)[:limit]
     if as_json:
         click.echo(json.dumps([{"run_id": r.run_id, "dir": str(r.dir), **r.data, "status": r.status}
