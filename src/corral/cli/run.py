@@ -269,9 +269,11 @@ def _refuse_missing_script(cluster, launcher: str, program: str, args: tuple[str
     if (Path.cwd() / path).exists():
         return
     where = path.parent if path.is_absolute() else (Path.cwd() / path).parent
-    near = []
-    if where.is_dir():
-        near = difflib.get_close_matches(path.name, sorted(p.name for p in where.iterdir()), n=2, cutoff=0.6)
+    try:
+        names = sorted(p.name for p in where.iterdir())
+    except OSError:  # no such directory either, or one this user cannot list
+        names = []
+    near = difflib.get_close_matches(path.name, names, n=2, cutoff=0.6)
     hint = f"did you mean {' or '.join(str(path.parent / n) if str(path.parent) != '.' else n for n in near)}?" \
         if near else "check the path"
     if not cluster.is_local:

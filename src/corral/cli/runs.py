@@ -82,7 +82,9 @@ def _table(rows: list[tuple[str, ...]], width: int) -> tuple[Table, int]:
     what is left, cut with an ellipsis (never one word a line).  Where even
     that does not fit, the table is printed wider than the terminal, which
     wraps the rows: the id stays whole."""
-    widths = [max(len(head), *(len(row[i]) for row in rows)) for i, head in enumerate(_HEADS)]
+    from rich.cells import cell_len  # terminal cells: a CJK program name is two a character
+
+    widths = [max(len(head), *(cell_len(row[i]) for row in rows)) for i, head in enumerate(_HEADS)]
     room = width - sum(w + 2 for w in widths[:5]) - 4  # box=None: one space each side of a column
     widths[5] = min(widths[5], max(len(_HEADS[5]), room * 2 // 5))
     widths[6] = min(widths[6], max(len(_HEADS[6]), room - widths[5]))
