@@ -130,6 +130,12 @@ def run(
             hint=f"give an absolute path, e.g. --workdir {Path(workdir).absolute()}")
     refuse_owned_options(launcher, tuple(launcher_args))
     env = parse_env_flags(env_flags, os.environ)  # an unset --env NAME before any connection
+    spec = RunSpec(  # checks its flags (an --env corral sets itself) before anything is read or sent
+        program=program, args=tuple(args), module=module, launcher=launcher,
+        nproc_per_node=nproc_per_node, env=env,
+        workdir=workdir, master_port=master_port, launcher_args=launcher_args,
+        preload=not fresh_ranks,
+    )
     if not dry_run:
         runs_dir = _writable_runs_dir(runs_dir)
     cluster = cluster_opts.load()
@@ -138,12 +144,6 @@ def run(
     if sync_first:
         script = None if module else script_and_args(launcher, program, tuple(args))[0]
         _sync_project(cluster, program=script, workdir=workdir, dry_run=dry_run)
-    spec = RunSpec(
-        program=program, args=tuple(args), module=module, launcher=launcher,
-        nproc_per_node=nproc_per_node, env=env,
-        workdir=workdir, master_port=master_port, launcher_args=launcher_args,
-        preload=not fresh_ranks,
-    )
     if dry_run:
         _dry_run(cluster, spec, as_json)
         return
