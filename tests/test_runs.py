@@ -135,8 +135,8 @@ def test_a_run_made_in_a_test_stays_out_of_the_checkouts_runs() -> None:
     run_id = json.loads(res.stdout)["run_id"] if res.stdout.startswith("{") else None
     try:
         assert res.returncode == 0 and run_id, res.stderr
-        assert (Path(os.environ["CORRAL_RUNS_DIR"]) / run_id / "run.json").is_file()
         assert not (REPO / "runs" / run_id).exists()
+        assert (Path(os.environ["CORRAL_RUNS_DIR"]) / run_id / "run.json").is_file()
     finally:  # on the old setup: take back what it left
         if run_id and (REPO / "runs" / run_id).exists():
             import shutil
