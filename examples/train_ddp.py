@@ -70,7 +70,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 parser = argparse.ArgumentParser(description="Train a small MLP with DDP (CPU/gloo or GPU/NCCL).")
 add = parser.add_argument
 add("--epochs", type=int, default=6, help="passes over the training set")
-add("--batch-size", type=int, default=128, help="GLOBAL batch; each rank gets it / WORLD_SIZE")
+add("--batch-size", type=int, default=128,
+    help="GLOBAL batch; each rank gets it // WORLD_SIZE (a remainder is dropped, with a note)")
 add("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay to lr/10)")
 add("--samples", type=int, default=16384, help="training examples (and 1/8 more for validation)")
 add("--hidden", type=int, default=128, help="width of the student's two hidden layers")
@@ -143,11 +144,16 @@ def print0(*parts: object) -> None:
         print(line, flush=True)
 
 
-local_batch = args.batch_size // world_size  # each rank's share; DDP averages gradients over ranks
-if local_batch * world_size != args.batch_size:
-    fail(
-        f"--batch-size {args.batch_size} does not split evenly over {world_size} processes",
-        f"use a multiple of {world_size}, e.g. --batch-size {world_size * max(1, local_batch)}",
+# Each rank's share of the global batch; DDP averages gradients over ranks.  When
+# --batch-size does not split evenly (128 over 6 processes), each rank takes the
+# whole part (21) and the remainder is dropped: the script runs on any world size.
+local_batch = max(1, args.batch_size // world_size)
+global_batch = local_batch * world_size  # what one optimizer step actually sees
+if global_batch != args.batch_size:
+    print0(
+        f"note: --batch-size {args.batch_size} does not split evenly over {world_size} processes: "
+        f"{local_batch} per process, a global batch of {global_batch} "
+        f"(a multiple of {world_size} keeps it exact)"
     )
 
 # -----------------------------------------------------------------------------
@@ -286,7 +292,7 @@ if master and tqdm is not None and not args.no_progress and step < total_steps:
 
 print0(
     f"training on {world_size} process(es) ({backend}, {device.type}) | "
-    f"global batch {args.batch_size} = {world_size} x {local_batch} | "
+    f"global batch {global_batch} = {world_size} x {local_batch} | "
     f"{steps_per_epoch} steps/epoch | epochs {start_epoch}..{args.epochs}"
 )
 first_loss = last_loss = math.nan

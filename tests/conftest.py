@@ -1,7 +1,8 @@
 """Shared test fixtures.
 
 The autouse fixture keeps tests away from the developer's own setup: HOME is
-a fresh temporary directory and launcher variables (MASTER_*, NCCL_*, PET_*,
+a fresh temporary directory, run directories go to the test's own
+``tmp_path/runs`` ($CORRAL_RUNS_DIR; never the checkout's ./runs) and launcher variables (MASTER_*, NCCL_*, PET_*,
 torchrun's and Slurm's) are stripped, so a test never inherits a rendezvous
 address or an NCCL setting from the shell it was started in.  Tests not
 marked ``gpu`` see no GPU (``CUDA_VISIBLE_DEVICES=""``): they test the CPU
@@ -42,7 +43,7 @@ _STRIP_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RA
 
 @pytest.fixture(autouse=True)
 def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
-                 request: pytest.FixtureRequest):
+                 request: pytest.FixtureRequest, tmp_path: Path):
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
@@ -51,6 +52,11 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     for key in list(os.environ):
         if key.startswith(_STRIP_PREFIXES) or key in _STRIP_NAMES:
             monkeypatch.delenv(key, raising=False)
+    # A run a test makes goes to its own tmp_path/runs, wherever the test runs
+    # it from: never the checkout's ./runs, where `corral diagnose` with no
+    # argument would explain a planted failure instead of the user's own.
+    # (A test of the ./runs default deletes it.)
+    monkeypatch.setenv("CORRAL_RUNS_DIR", str(tmp_path / "runs"))
     if request.node.get_closest_marker("gpu") is None:
         # Tests not marked `gpu` test the CPU paths (gloo, 2 processes), on a
         # GPU machine too: a 1-GPU machine would otherwise run their 2 ranks

@@ -182,3 +182,65 @@ def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback(tmp_path) -> N
                          capture_output=True, text=True, encoding="ascii", errors="strict", timeout=60, check=False)
     assert res.returncode == 0, res.stderr
     assert "\\u65e5\\u672c \\xe9" in res.stdout and "Traceback" not in res.stderr
+
+
+def test_a_usage_error_from_click_under_json_is_json_on_stdout(tmp_path: Path) -> None:
+    """click's own parsing errors (missing PROGRAM, an option without its value)
+    were text on stderr only: `corral run --json | jq` read empty input."""
+    for argv, says in ((["run", "--json"], "Missing argument 'PROGRAM'"),
+                       (["runs", "--json", "--limit"], "--limit"),
+                       (["exec", "--json", "--timeout", "soon", "--", "true"], "soon"),
+                       (["ssh", "check", "--json", "--bogus"], "--bogus")):
+        res = CliRunner().invoke(cli, argv)
+        assert res.exit_code == 2, (argv, res.output)
+        err = json.loads(res.stdout)["error"]
+        assert says in err["message"] and err["exit_code"] == 2 and err["category"] == "user", argv
+        assert "--help" in err["hint"] and says in res.stderr, argv
+    # without --json (or with it only after `--`, where it is not corral's), stdout stays empty
+    for argv in (["run"], ["exec", "--timeout", "soon", "--", "echo", "--json"]):
+        res = CliRunner().invoke(cli, argv)
+        assert res.exit_code == 2 and not res.stdout.strip(), res.output
+    # the console script too (not only CliRunner)
+    res = subprocess.run([sys.executable, "-m", "corral", "run", "--json"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 2 and json.loads(res.stdout)["error"]["exit_code"] == 2, res.stderr
+
+
+def _short_flags() -> dict[str, dict[str, str]]:
+    """short flag -> {command: the long option it means}, hidden ones left out."""
+    out: dict[str, dict[str, str]] = {}
+
+    def walk(cmd: click.Command, path: str) -> None:
+        for p in cmd.params:
+            if isinstance(p, click.Option) and not p.hidden:
+                shorts = [o for o in p.opts + p.secondary_opts if not o.startswith("--")]
+                longs = [o for o in p.opts + p.secondary_opts if o.startswith("--")]
+                for s in shorts:
+                    out.setdefault(s, {})[path] = longs[0] if longs else s
+        if isinstance(cmd, click.Group):
+            ctx = click.Context(cmd)
+            for name in cmd.list_commands(ctx):
+                walk(cmd.get_command(ctx, name), f"{path} {name}".strip())
+
+    walk(cli, "")
+    return out
+
+
+def test_a_short_flag_means_one_thing_in_every_command() -> None:
+    # -n was --nproc-per-node in run and bench, --dry-run in sync, --limit in runs.
+    for short, meanings in _short_flags().items():
+        assert len(set(meanings.values())) == 1, (short, meanings)
+    assert _short_flags()["-n"] == {"run": "--nproc-per-node", "bench": "--nproc-per-node"}
+    # the old ones are refused with the long name to type, not taken for something else
+    for argv, says in ((["sync", "-n"], "say --dry-run"), (["runs", "-n", "3"], "say --limit N")):
+        res = CliRunner().invoke(cli, argv)
+        assert res.exit_code == 2 and says in res.output, res.output
+
+
+def test_ssh_check_and_teardown_help_describe_only_what_they_use() -> None:
+    check = CliRunner().invoke(cli, ["ssh", "check", "--help"]).output
+    assert "password" not in check.replace("wants a password", "")  # check never logs in by password
+    assert "to install" not in check
+    teardown = CliRunner().invoke(cli, ["ssh", "teardown", "--help"]).output
+    assert "to install" not in teardown and "--password-stdin" in teardown
+    assert "to install" in CliRunner().invoke(cli, ["ssh", "setup", "--help"]).output

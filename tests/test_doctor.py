@@ -232,3 +232,38 @@ def test_smoke_test_names_the_link_that_fails(lab: Sandbox) -> None:
     assert outcome.status == "failed" and outcome.log
     assert {outcome.host, *outcome.peers} == {n2, n3}
     assert f"cannot open a TCP connection to {n3 if outcome.host == n2 else n2}" in outcome.message
+
+
+def test_doctor_with_no_node_reachable_exits_3(tmp_path: Path) -> None:
+    # Every host refused (nothing listens on port 1): doctor exited 1, "errors
+    # found", where the README's table (and docs/doctor.md) say 3: unreachable.
+    from click.testing import CliRunner
+
+    from corral.cli import cli
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 port=1\n127.0.0.2 port=1\n")
+    res = CliRunner().invoke(cli, ["doctor", "-c", str(hostfile), "--no-smoke", "--json"])
+    assert res.exit_code == 3, res.output
+    report = json.loads(res.stdout)
+    assert not report["ok"] and set(report["evidence"]["unreachable"]) == {"127.0.0.1", "127.0.0.2"}
+
+
+def test_smoke_all_reduce_needs_no_numpy_on_the_node(tmp_path: Path) -> None:
+    # torch's all_gather_object needs numpy: on a node without it the smoke
+    # test failed with a bare "Numpy is not available".  The workload itself,
+    # under torchrun, 2 ranks, with numpy hidden from every process.
+    hidden = tmp_path / "no-numpy" / "numpy"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ModuleNotFoundError('numpy is not installed on this node')\n")
+    workload = Path(__file__).resolve().parents[1] / "src" / "corral" / "workloads" / "smoke_allreduce.py"
+    env = {**os.environ, "PYTHONPATH": str(hidden.parent), "CORRAL_HOSTS": "here", "CORRAL_NODE_RANK": "0",
+           "CORRAL_NODE_IPS": "127.0.0.1", "CORRAL_SMOKE_BACKEND": "gloo", "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path)}
+    probe = subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True, text=True)
+    assert "numpy is not installed" in probe.stderr  # the node really has none
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(workload)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    [line] = [json.loads(l.split(" ", 1)[1]) for l in res.stdout.splitlines() if l.startswith("CORRAL_SMOKE {\"backend")]
+    assert line["world_size"] == 2 and line["hosts"] == [os.uname().nodename] * 2

@@ -82,10 +82,25 @@ def test_unreachable_node_is_named_and_others_answer(sandbox, tmp_path: Path) ->
     cluster.write_text(sandbox.cluster_file.read_text() + f'\n[[hosts]]\nname = "ghost"\naddress = "{ghost}"\n')
     res = subprocess.run(CORRAL + ["exec", "-c", str(cluster), "--json", "--", "hostname"],
                          capture_output=True, text=True, timeout=60)
-    assert res.returncode == 255
+    assert res.returncode == 3  # corral's "unreachable", not ssh's 255
     rows = {r["host"]: r for r in json.loads(res.stdout)}
+    assert rows["ghost"]["returncode"] == 255 and all(rows[n]["returncode"] == 0 for n in sandbox.nodes)
     assert all(rows[n]["stdout"].strip() == n for n in sandbox.nodes)
     assert "unreachable" in rows["ghost"]["error"] or "refused" in rows["ghost"]["error"]
+
+
+def test_exec_on_hosts_it_cannot_reach_exits_3_not_255(tmp_path: Path) -> None:
+    # ssh's own 255 leaked out as exec's exit code; every other command says 3.
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 port=1\n127.0.0.2 port=1\n")
+    res = subprocess.run(CORRAL + ["exec", "-c", str(hostfile), "--", "true"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 3, res.stderr
+    assert "----- 127.0.0.[1-2] (2) (ssh failed) -----\nconnection refused" in res.stdout
+    # a command's own code is still passed through, the largest of all hosts'
+    res = subprocess.run(CORRAL + ["exec", "--", "exit 7"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 7, res.stderr
 
 
 def _count(sandbox, pattern: str) -> int:

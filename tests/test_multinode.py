@@ -269,7 +269,7 @@ def test_a_chatty_run_keeps_every_line_to_the_end(sandbox, workdir: Path) -> Non
     res = corral(sandbox, ["--ranks", "all", "flood.py"], workdir)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("FINAL-METRICS") == 8
-    [run_dir] = [p for p in (workdir / "runs").iterdir() if p.is_dir()]
+    [run_dir] = [p for p in Path(os.environ["CORRAL_RUNS_DIR"]).iterdir() if p.is_dir()]  # conftest's
     logs = sorted(run_dir.glob("*/rank*.log"))
     assert len(logs) == 8
     for log in logs:

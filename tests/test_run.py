@@ -495,11 +495,18 @@ def test_dry_run_shows_the_port_it_has_not_chosen_yet(tmp_path: Path) -> None:
 
 
 def test_missing_script_is_named_before_anything_starts(tmp_path: Path) -> None:
-    res = corral(["run", "nope.py"], tmp_path)
-    assert res.returncode == 3
-    assert "nope.py not found" in res.stderr and "corral sync" in res.stderr
+    # Missing here too, where the nodes would look: a typo, so bad input (2)
+    # before connecting; it was 3, "infrastructure", with "sync the project".
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    res = corral(["run", "trian.py"], tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert f"trian.py: no such file in {tmp_path}" in res.stderr and "did you mean train.py?" in res.stderr
+    assert "corral sync" not in res.stderr and "connecting" not in res.stderr
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "runs").exists()
+    # On the nodes only (another working directory there): left to their preflight, which names it (3).
+    res = corral(["run", "--workdir", str(tmp_path), "nope.py"], tmp_path)
+    assert res.returncode == 3 and "nope.py not found" in res.stderr and "corral sync" in res.stderr
 
 
 def test_missing_workdir_is_named(tmp_path: Path) -> None:

@@ -814,3 +814,23 @@ def test_for_a_user_that_does_not_exist_is_a_usage_error() -> None:
         access.user("no-such-user-x")
     with pytest.raises(UsageError, match="--for root"):
         access.user("root")
+
+
+@pytest.mark.sandbox
+def test_partition_cli_names_the_heal_to_type_and_an_unknown_node_is_bad_input(sandbox: Sandbox) -> None:
+    from click.testing import CliRunner
+
+    from corral.cli import cli
+
+    where = ["--name", sandbox.name, "--state-dir", str(sandbox.state_dir)]
+    # No such node: a name the user typed (2), not an infrastructure failure (3).
+    res = CliRunner().invoke(cli, ["sandbox", "partition", "nc9", *where])
+    assert res.exit_code == 2 and "has no node 'nc9'" in res.output, res.output
+    node = sandbox.nodes[1]
+    res = CliRunner().invoke(cli, ["sandbox", "partition", node, *where])
+    try:
+        assert res.exit_code == 0, res.output
+        # the hint was `corral sandbox heal`, without the NODE it needs
+        assert f"`corral sandbox heal {node} --name {sandbox.name}` restores it" in res.output
+    finally:
+        sandbox.heal(node)

@@ -781,3 +781,12 @@ def test_teardown_restores_the_starting_state(pw_sandbox, head) -> None:
         check=False,
     )
     assert probe.returncode == 255 and "Permission denied" in probe.stderr
+
+
+def test_ssh_check_on_a_name_that_does_not_resolve_says_so() -> None:
+    # It got the sshd/port-2222 hint, about a host nothing was ever dialled at.
+    res = CliRunner().invoke(cli, ["ssh", "check", "-H", "gpu-typo.invalid", "--json"])
+    assert res.exit_code == 3, res.output
+    problem = json.loads(res.stdout)["error"]["problems"][0]
+    assert problem["host"] == "gpu-typo.invalid"
+    assert "'gpu-typo.invalid' does not resolve" in problem["hint"] and "2222" not in problem["hint"]

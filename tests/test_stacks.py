@@ -216,8 +216,9 @@ def test_corral_stacks_on_a_running_job(tmp_path: Path) -> None:
     assert res.returncode != 0 and f"run {run_id} is not running" in res.stderr, res.stderr
 
 
-def test_corral_stacks_from_another_directory(tmp_path: Path) -> None:
+def test_corral_stacks_from_another_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the run's directory is under where `corral run` was started; a second shell is elsewhere
+    monkeypatch.delenv("CORRAL_RUNS_DIR")  # the ./runs default, as outside the tests
     started, elsewhere = tmp_path / "project", tmp_path / "home"
     started.mkdir()
     elsewhere.mkdir()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,3 +98,60 @@ def find_run(root: Path, which: str | None) -> RunRecord:
     if len(matches) > 1:
         raise UsageError(f"{which!r} matches {len(matches)} runs", hint="give more of the run id")
     return matches[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunsRoot:
+    """Where run directories go (and are looked up) when no --runs-dir is given."""
+
+    path: Path
+    #: Set when ./runs cannot be written and the per-user directory is used
+    #: instead: the one line that says so.
+    note: str | None = None
+
+
+def state_runs_dir(environ: Mapping[str, str]) -> Path:
+    """``$XDG_STATE_HOME/corral/runs`` (``~/.local/state/corral/runs``): this
+    user's own place, next to the sandbox's state."""
+    base = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base, "corral", "runs")
+
+
+def default_root(cwd: Path, environ: Mapping[str, str] = os.environ) -> RunsRoot:
+    """``$CORRAL_RUNS_DIR``, else ``./runs`` where it can be written, else the
+    per-user state directory, with a note naming both and how to choose.
+
+    ``corral run`` in a directory it cannot write (a read-only checkout,
+    another user's project) ended in a PermissionError traceback; ``runs``,
+    ``stacks`` and ``diagnose`` take the same rule, so they look where the
+    run wrote."""
+    env = environ.get("CORRAL_RUNS_DIR")
+    if env:
+        return RunsRoot(path=Path(env))
+    here = cwd / "runs"
+    why = unwritable(here)
+    if why is None:
+        return RunsRoot(path=here)
+    fallback = state_runs_dir(environ)
+    return RunsRoot(path=fallback, note=f"{here.absolute()} cannot be written ({why}): run directories are in "
+                                        f"{fallback} (--runs-dir DIR or $CORRAL_RUNS_DIR to choose another)")
+
+
+def unwritable(path: Path) -> str | None:
+    """Why run directories cannot be made under ``path``, or None when they can:
+    judged on ``path`` or, where it does not exist yet, the directory that
+    would hold it (nothing is created here: a run refused before it starts
+    leaves no empty ``runs/`` behind)."""
+    probe = path
+    while not os.path.lexists(probe) and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    if os.access(probe, os.W_OK | os.X_OK):
+        return None
+    try:
+        if os.statvfs(probe).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    except OSError:
+        pass
+    return f"permission denied on {probe}" if probe != path else "permission denied"

@@ -49,6 +49,12 @@ class LazyGroup(click.Group):
         _note_json_flag(command)
         return command
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # Kept for a usage error in a subcommand's own arguments: click raises
+        # it before any option callback could note --json.
+        ctx.meta[_ARGV_META] = list(args)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         """Report CorralError in one place, for CliRunner and the console script alike."""
         try:
@@ -60,6 +66,13 @@ class LazyGroup(click.Group):
             if ctx.meta.get(_JSON_META):
                 _report_json(err)
             ctx.exit(err.exit_code)
+        except click.ClickException as err:
+            # click's own parsing (a missing PROGRAM, an option without its
+            # value): the text still goes to stderr as click writes it; under
+            # --json the same reason is JSON on stdout, as for every error.
+            if ctx.meta.get(_JSON_META) or _json_asked(ctx.meta.get(_ARGV_META, [])):
+                _report_json(_as_corral_error(err, ctx))
+            raise
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Use the static one-liners: listing commands must not import them all.
@@ -88,6 +101,23 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 _JSON_META = "corral.json"
+_ARGV_META = "corral.argv"
+
+
+def _json_asked(argv: list[str]) -> bool:
+    """``--json`` among corral's own words (before a ``--``): the arguments
+    could not be parsed, so this is as far as anyone can tell."""
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    return "--json" in own
+
+
+def _as_corral_error(err: click.ClickException, group: click.Context) -> CorralError:
+    """A click error as the one error shape of ``--json`` (``category`` user)."""
+    ctx = getattr(err, "ctx", None)
+    path = ctx.command_path if ctx is not None else " ".join(
+        filter(None, (group.command_path, group.invoked_subcommand)))
+    return CorralError(err.format_message(), hint=f"`{path} --help` lists the arguments and options",
+                       exit_code=err.exit_code)
 
 
 def _note_json_flag(command: click.Command) -> None:

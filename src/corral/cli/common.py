@@ -86,3 +86,21 @@ def cluster_options(func: F) -> F:
         "-c", "--cluster", "cluster_file", metavar="FILE", default=None, help=CLUSTER_HELP
     )(wrapper)
     return wrapper  # type: ignore[return-value]
+
+
+def retired_short(flag: str, *, now: str, why: str) -> Callable[[F], F]:
+    """A short flag that used to mean something here and no longer does.
+
+    ``-n`` means ``--nproc-per-node`` in ``run`` and ``bench``; it meant
+    ``--dry-run`` in ``sync`` and ``--limit`` in ``runs``.  Dropped there, it
+    is refused with the long name to type, instead of click's bare "No such
+    option" (or, worse, a meaning that changes from one command to the next).
+    Hidden: ``--help`` does not offer it.
+    """
+
+    def refuse(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value is not None:
+            raise click.UsageError(f"{flag} is not an option here any more: say {now} ({why})", ctx=ctx)
+
+    return click.option(flag, "retired_" + flag.strip("-"), hidden=True, default=None, expose_value=False,
+                        is_flag=False, flag_value="", callback=refuse, metavar="", help="(retired)")

@@ -22,7 +22,7 @@ from corral.diagnose.logtext import sniff_encoding
 from corral.diagnose.pyexc import basename
 from corral.diagnose.rundir import resolve_target
 from corral.errors import UsageError
-from corral.logs import default_runs_dir
+from corral.runs import default_root
 from corral.stacks import NEVER_MET
 
 #: Causes shown without --all.
@@ -48,7 +48,9 @@ _NOTHING = (
 @click.option("--rules", "rules_files", type=click.Path(dir_okay=False), multiple=True,
               help="An extra rules file (same format as corral's rules.toml). Repeatable.")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where RUN_ID is looked up. Default: $CORRAL_RUNS_DIR or ./runs.")
+              help="Where RUN_ID is looked up. "
+                   "Default: $CORRAL_RUNS_DIR, else ./runs (where `corral run` could not write it: "
+                   "$XDG_STATE_HOME/corral/runs).")
 def diagnose(target: str | None, as_json: bool, show_all: bool, facts_file: str | None,
              rules_files: tuple[str, ...], runs_dir: Path | None) -> None:
     """Explain why a run failed: likely causes, the lines that show them, and the fix.
@@ -79,7 +81,7 @@ def diagnose(target: str | None, as_json: bool, show_all: bool, facts_file: str 
         report = RunReport(path="<stdin>", kind="file", files=("<stdin>",), failure=None,
                            facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags))
     else:
-        root = runs_dir or default_runs_dir(Path())
+        root = runs_dir or default_root(Path()).path
         path = resolve_target(target, root) if target is not None else _latest_unsuccessful(root)
         report = diagnose_run(path, facts=facts, rules=rules)
     if as_json:

@@ -16,11 +16,13 @@ from corral import ui
 from corral.checks import ERROR, FAMILIES, OK, WARNING, Finding
 from corral.cli.common import ClusterOptions, cluster_options, load_from_options
 from corral.doctor import DoctorOptions, DoctorReport, examine
+from corral.errors import EXIT_INFRA
 from corral.fixenv import FixResult, write_env
 from corral.hostrange import HostSet
 from corral.model import Cluster
 
-#: Exit status when doctor found at least one error (2 and 3 keep their corral meanings).
+#: Exit status when doctor found at least one error (2 and 3 keep their corral meanings:
+#: bad input; no node could be reached at all).
 EXIT_FOUND_ERRORS = 1
 _ICON = {ERROR: "[bold red]✗[/]", WARNING: "[yellow]![/]", OK: "[green]✓[/]"}
 
@@ -66,7 +68,8 @@ def doctor(cluster_opts: ClusterOptions, fix_env: bool, smoke: bool, ssh: bool, 
     between every pair of nodes, picks the network interface each node should
     use, then runs a short all-reduce through the same path as `corral run`.
     Every problem names its hosts and the fix.  Exit status: 0 when there is
-    no error (warnings allowed), 1 when there is one.
+    no error (warnings allowed), 1 when there is one, 3 when no node could be
+    reached at all, 2 for bad input.
     """
     cluster = cluster_opts.load()
     options = DoctorOptions(workdir=workdir, ports=ports, ssh=ssh, links=links, torch=import_torch,
@@ -87,7 +90,15 @@ def doctor(cluster_opts: ClusterOptions, fix_env: bool, smoke: bool, ssh: bool, 
         click.echo(json.dumps(data, indent=2, default=str))
     else:
         render(report, quiet=quiet, fixed=fixed)
-    sys.exit(EXIT_FOUND_ERRORS if report.errors else 0)
+    sys.exit(exit_code(report))
+
+
+def exit_code(report: DoctorReport) -> int:
+    """0 no error; 1 errors found on nodes it could examine; 3 (as for every
+    command) when not one node could be reached: there is nothing it examined."""
+    if report.cluster.names and set(report.cluster.names) <= set(report.evidence.unreachable):
+        return EXIT_INFRA
+    return EXIT_FOUND_ERRORS if report.errors else 0
 
 
 def _fix(cluster_opts: ClusterOptions, report: DoctorReport) -> FixResult:

@@ -8,9 +8,10 @@ import click
 
 from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
-from corral.errors import EXIT_INTERRUPTED, UsageError
+from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, UsageError
 from corral.fanout import command_line, run_everywhere
 from corral.gather import group_results
+from corral.transport.ssh import SSH_ERROR
 
 
 @click.command(name="exec", context_settings={"ignore_unknown_options": True,
@@ -34,8 +35,9 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
 
     Identical outputs are printed once under a folded host set
     (node[1-3,5]); hosts that answered differently are shown apart.  The
-    exit code is the largest of all hosts' (255: a host was unreachable).
-    Ctrl-C stops the command on every node.
+    exit code is the largest of all hosts' (3: a host could not be reached
+    or logged in to; 124: --timeout; 130: interrupted).  Ctrl-C stops the
+    command on every node.
     """
     text = command_line(command).strip()
     if not text:
@@ -56,7 +58,7 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
         # Ctrl-C: every node has stopped; still show what they said before it.
         results = getattr(stop, "results", [])
         interrupted = True
-    code = EXIT_INTERRUPTED if interrupted else max((r.returncode for r in results), default=0)
+    code = EXIT_INTERRUPTED if interrupted else max((_exit_code(r) for r in results), default=0)
     if as_json:
         import json
 
@@ -70,7 +72,8 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
     paint = ui.paint
     if not no_fold:
         for g in group_results(results):
-            rc = "" if g.returncode == 0 else " " + paint(f"(exit {g.returncode})", "red")
+            said = "ssh failed" if g.error and g.returncode == SSH_ERROR else f"exit {g.returncode}"
+            rc = "" if g.returncode == 0 else " " + paint(f"({said})", "red")
             sys.stdout.write(paint(f"----- {g.label} ({len(g.hosts)})", "bold", "cyan") + rc
                              + paint(" -----", "bold", "cyan") + "\n")
             if g.error:
@@ -95,3 +98,12 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
         sys.stderr.write(f"corral: {len(failed)} of {len(results)} host(s) failed: {fold(failed)}\n")
     sys.stderr.flush()
     sys.exit(code)
+
+
+def _exit_code(result) -> int:
+    """The host's command's own code, or 3 where ssh itself failed (ssh's
+    255 is no command's answer: it is corral's "unreachable", as in every
+    command); a timeout keeps its 124."""
+    if result.error is not None and result.returncode == SSH_ERROR:
+        return EXIT_INFRA
+    return result.returncode

@@ -21,9 +21,9 @@ from corral.console import RunConsole, parse_ranks
 from corral.errors import UsageError
 from corral.hostrange import fold
 from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
-from corral.logs import default_runs_dir
 from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, new_run_id, parse_env_flags
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
+from corral.runs import default_root, unwritable
 from corral.scriptcheck import (
     local_rank_problem,
     module_for,
@@ -78,7 +78,8 @@ _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
                    "(torchrun, accelerate) ranks are forked from one that has already imported torch, when "
                    "nothing they start with would differ; see docs/run.md, 'Preloaded ranks'.")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where run directories go. Default: $CORRAL_RUNS_DIR or ./runs.")
+              help="Where run directories go. Default: $CORRAL_RUNS_DIR, else ./runs, else (./runs not "
+                   "writable) $XDG_STATE_HOME/corral/runs, with a line saying so.")
 @click.option("--sync", "sync_first", is_flag=True,
               help="Sync the project to every node first, verified (as `corral sync`; docs/sync.md).")
 @click.option("--dry-run", is_flag=True, help="Print every node's command and environment; start nothing.")
@@ -137,20 +138,24 @@ def run(
             hint=f"give an absolute path, e.g. --workdir {Path(workdir).absolute()}")
     refuse_owned_options(launcher, tuple(launcher_args))
     env = parse_env_flags(env_flags, os.environ)  # an unset --env NAME before any connection
-    cluster = cluster_opts.load()
-    if sync_first:
-        script = None if module else script_and_args(launcher, program, tuple(args))[0]
-        _sync_project(cluster, program=script, workdir=workdir, dry_run=dry_run)
-    spec = RunSpec(
+    spec = RunSpec(  # checks its flags (an --env corral sets itself) before anything is read or sent
         program=program, args=tuple(args), module=module, launcher=launcher,
         nproc_per_node=nproc_per_node, env=env,
         workdir=workdir, master_port=master_port, launcher_args=launcher_args,
         preload=not fresh_ranks,
     )
+    if not dry_run:
+        runs_dir = _writable_runs_dir(runs_dir)
+    cluster = cluster_opts.load()
+    if not module:
+        _refuse_missing_script(cluster, launcher, program, tuple(args), workdir, dry_run=dry_run)
+    if sync_first:
+        script = None if module else script_and_args(launcher, program, tuple(args))[0]
+        _sync_project(cluster, program=script, workdir=workdir, dry_run=dry_run)
     if dry_run:
         _dry_run(cluster, spec, as_json)
         return
-    runs_dir = runs_dir or default_runs_dir(Path.cwd())
+    assert runs_dir is not None
     for _ in range(5):  # a leftover directory (or a clock set back): draw again
         if not (runs_dir / spec.run_id).exists():
             break
@@ -172,6 +177,28 @@ def run(
         view.close()
     _summary(result, as_json)
     sys.exit(result.exit_code)
+
+
+def _writable_runs_dir(given: Path | None) -> Path:
+    """Where this run's directory goes: --runs-dir, $CORRAL_RUNS_DIR, ./runs,
+    or (./runs not writable) the per-user state directory, with a line saying
+    so.  One that cannot be written is bad input named before anything starts
+    (it was a PermissionError traceback, and with --json empty stdout)."""
+    if given is not None:
+        why = unwritable(given)
+        if why:
+            raise UsageError(f"--runs-dir {given}: run directories cannot be written there ({why})",
+                             hint="give a directory you can write with --runs-dir DIR")
+        return given
+    root = default_root(Path.cwd())
+    if root.note:
+        ui.notice(root.note)
+    why = unwritable(root.path)
+    if why:
+        said = "$CORRAL_RUNS_DIR" if os.environ.get("CORRAL_RUNS_DIR") else "the per-user fallback"
+        raise UsageError(f"run directories cannot be written in {root.path} ({said}: {why})",
+                         hint="give a directory you can write with --runs-dir DIR or $CORRAL_RUNS_DIR")
+    return root.path
 
 
 def _sync_project(cluster, *, program: str | None, workdir: str | None, dry_run: bool) -> None:
@@ -226,6 +253,43 @@ def _refuse_unknown_option(program: str) -> None:
         hint = f"did you mean {' or '.join(close)}?" if close else None
     raise UsageError(f"no such option: {name} (corral's options go before the script; "
                      "`corral run --help` lists them)", hint=hint)
+
+
+def _refuse_missing_script(cluster, launcher: str, program: str, args: tuple[str, ...],
+                           workdir: str | None, *, dry_run: bool) -> None:
+    """``corral run trian.py``: a script missing here too, where the nodes would
+    read it from this same directory, is a typo (exit 2, before connecting),
+    not an infrastructure failure (3) with "sync the project" after it.
+
+    Left to the nodes' preflight where they look elsewhere: a --workdir or a
+    cluster file's workdir, or an absolute path on a cluster of other machines
+    (a shared filesystem this machine may not mount)."""
+    import difflib
+
+    script, _ = script_and_args(launcher, program, args)
+    if launcher == "command" and script == program:
+        return  # a command, found on each node's PATH
+    path = Path(script).expanduser()
+    if workdir is not None or any(cluster.workdir_for(h) for h in cluster.hosts):
+        return
+    if path.is_absolute() and not cluster.is_local:
+        return
+    if (Path.cwd() / path).exists():
+        return
+    where = path.parent if path.is_absolute() else (Path.cwd() / path).parent
+    try:
+        names = sorted(p.name for p in where.iterdir())
+    except OSError:  # no such directory either, or one this user cannot list
+        names = []
+    near = difflib.get_close_matches(path.name, names, n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(str(path.parent / n) if str(path.parent) != '.' else n for n in near)}?" \
+        if near else "check the path"
+    if not cluster.is_local:
+        hint += "; a script that is only on the nodes: give --workdir DIR, where it is there"
+    if dry_run:  # shows the plan all the same
+        ui.notice(f"{script}: no such file in {where} ({hint})")
+        return
+    raise UsageError(f"{script}: no such file in {where}", hint=hint)
 
 
 def _refuse_launcher_as_program(program: str, args: tuple[str, ...]) -> None:

@@ -191,14 +191,14 @@ def _node_command(verb: str, doc: str) -> click.Command:
     @_instance_options
     def command(node: str, name: str, state_dir: str | None) -> None:
         getattr(_sandbox(name, state_dir), verb)(node)
-        notice(f"{node}: {_DONE[verb]}")
+        notice(f"{node}: {_DONE[verb].format(node=node + ('' if name == DEFAULT_NAME else f' --name {name}'))}")
 
     command.__doc__ = doc
     return sandbox.command(name=verb)(command)
 
 
 _DONE = {
-    "partition": "link down (partitioned); `corral sandbox heal` restores it",
+    "partition": "link down (partitioned); `corral sandbox heal {node}` restores it",
     "heal": "link up",
     "stop": "stopped, every process on it killed; `corral sandbox up` starts it again",
 }

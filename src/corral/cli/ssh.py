@@ -121,9 +121,12 @@ def _user(host: Host) -> str:
     return host.user or getpass.getuser()
 
 
-def _common(func: Callable) -> Callable:
-    for opt in reversed(
-        [
+def _common(*, identity_help: str, passwords: bool = True) -> Callable[[Callable], Callable]:
+    """The options setup, teardown and check share, each described as that
+    command uses it (check never logs in by password: no password options)."""
+
+    def decorate(func: Callable) -> Callable:
+        options = [
             click.option(
                 "--id",
                 "cluster_id",
@@ -137,8 +140,7 @@ def _common(func: Callable) -> Callable:
                 "-i",
                 type=click.Path(dir_okay=False, path_type=Path),
                 default=None,
-                help="This machine's private key to install on the nodes. Default: the first of "
-                "ssh's IdentityFile candidates that exists, else a new ~/.ssh/id_ed25519.",
+                help=identity_help,
             ),
             click.option(
                 "--accept-new",
@@ -146,17 +148,29 @@ def _common(func: Callable) -> Callable:
                 help="Trust host keys seen for the first time without asking (a CHANGED key is "
                 "still an error).",
             ),
-            click.option("--same-password", is_flag=True, help="Ask one password for every node."),
-            click.option(
-                "--password-stdin",
-                is_flag=True,
-                help="Read the password (one line, used for every node) from stdin, for scripts.",
-            ),
-            click.option("--json", "as_json", is_flag=True, help="Print the report as JSON."),
         ]
-    ):
-        func = opt(func)
-    return func
+        if passwords:
+            options += [
+                click.option("--same-password", is_flag=True, help="Ask one password for every node."),
+                click.option(
+                    "--password-stdin",
+                    is_flag=True,
+                    help="Read the password (one line, used for every node) from stdin, for scripts.",
+                ),
+            ]
+        options.append(click.option("--json", "as_json", is_flag=True, help="Print the report as JSON."))
+        for opt in reversed(options):
+            func = opt(func)
+        return func
+
+    return decorate
+
+
+#: --identity, as each command uses it.
+_INSTALL_KEY = ("This machine's private key to install on the nodes. Default: the first of ssh's "
+                "IdentityFile candidates that exists, else a new ~/.ssh/id_ed25519.")
+_LOGIN_KEY = ("This machine's private key to log in to the nodes with. Default: the first of ssh's "
+              "IdentityFile candidates that exists.")
 
 
 def _options(
@@ -186,7 +200,7 @@ def ssh() -> None:
 
 @ssh.command()
 @cluster_options
-@_common
+@_common(identity_help=_INSTALL_KEY)
 @click.option(
     "--ssh-config",
     "ssh_config",
@@ -245,7 +259,7 @@ def setup(
 
 @ssh.command()
 @cluster_options
-@_common
+@_common(identity_help=_LOGIN_KEY + " A node that refuses it is asked for its password.")
 @click.option("--dry-run", is_flag=True, help="Show what would be removed; change nothing.")
 def teardown(
     cluster_opts: ClusterOptions,
@@ -270,21 +284,20 @@ def teardown(
 
 @ssh.command()
 @cluster_options
-@_common
+@_common(identity_help=_LOGIN_KEY, passwords=False)
 def check(
     cluster_opts: ClusterOptions,
     cluster_id: str | None,
     identity: Path | None,
     accept_new: bool,
-    same_password: bool,
-    password_stdin: bool,
     as_json: bool,
 ) -> None:
-    """Print the all-to-all login matrix (every node logs in to every node by key)."""
+    """Print the all-to-all login matrix (every node logs in to every node by key).
+
+    Read-only, and by key only: a node that wants a password is reported,
+    never asked (`corral ssh setup` installs the keys)."""
     cluster = cluster_opts.load()
-    asker = CliAsker(
-        same_password=same_password, password_stdin=password_stdin, yes=False, quiet=as_json
-    )
+    asker = CliAsker(same_password=False, password_stdin=False, yes=False, quiet=as_json)
     matrix = asyncio.run(
         check_mesh(cluster, _options(cluster, cluster_id, identity, accept_new), asker)
     )

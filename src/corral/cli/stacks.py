@@ -11,15 +11,16 @@ from rich.markup import escape
 from corral import ui
 from corral.control import live_controls, request
 from corral.errors import CorralError, UsageError
-from corral.logs import default_runs_dir
-from corral.runs import find_run
+from corral.runs import default_root, find_run
 from corral.stacks import fold_keys, never_met_note, numbered, parse_key, rendezvous_note, stack_report
 
 
 @click.command(name="stacks")
 @click.argument("run", required=False)
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where run directories are. Default: $CORRAL_RUNS_DIR or ./runs.")
+              help="Where run directories are. "
+                   "Default: $CORRAL_RUNS_DIR, else ./runs (where `corral run` could not write it: "
+                   "$XDG_STATE_HOME/corral/runs).")
 @click.option("--json", "as_json", is_flag=True, help="Raw per-rank dumps as JSON.")
 def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
     """Dump the Python stack of every rank of a running job, merged into a tree.
@@ -32,7 +33,7 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
     while blocked in a collective.  A rank that only waits for the Python
     processes it started (mp.spawn) is shown by them: `rank 0 workers 0-3`.
     """
-    run_id, control = _find_live(runs_dir or default_runs_dir(Path.cwd()), run, anywhere=runs_dir is None)
+    run_id, control = _find_live(runs_dir or default_root(Path.cwd()).path, run, anywhere=runs_dir is None)
     answer = request(control, "stacks")
     if "error" in answer:
         raise CorralError(f"run {run_id}: {answer['error']}")

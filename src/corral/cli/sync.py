@@ -20,7 +20,7 @@ from rich.progress import (
 )
 
 from corral import ui
-from corral.cli.common import ClusterOptions, cluster_options
+from corral.cli.common import ClusterOptions, cluster_options, retired_short
 from corral.errors import UsageError
 from corral.hostrange import fold
 from corral.model import Cluster
@@ -207,9 +207,8 @@ def render(report: SyncReport, *, dry_run: bool, verbose: bool) -> None:
     help="Delete files on the nodes that are not here (only inside the synced tree; files the "
     "ignore rules match, like runs/ or checkpoints, are kept).",
 )
-@click.option(
-    "--dry-run", "-n", is_flag=True, help="Show what would be copied and deleted on each node."
-)
+@click.option("--dry-run", is_flag=True, help="Show what would be copied and deleted on each node.")
+@retired_short("-n", now="--dry-run", why="-n is --nproc-per-node in run and bench")
 @click.option(
     "--check", is_flag=True, help="Only compare: exit 3 and name the nodes and files that differ."
 )

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from corral.errors import SandboxError
+from corral.errors import SandboxError, UsageError
 from corral.sandbox import netns, preflight
 from corral.sandbox import node as nodes_mod
 from corral.sandbox.spec import NodeNames, SandboxSpec, parse_rate
@@ -38,13 +38,14 @@ class NodeOps:
     """Mixed into ``Sandbox``: everything that acts on one named node."""
 
     def node_names(self: Sandbox, node: str) -> tuple[SandboxSpec, NodeNames]:
-        """The spec and the names of ``node``; ``SandboxError`` if there is no such node."""
+        """The spec and the names of ``node``; ``UsageError`` (exit 2: a name the
+        user typed) if there is no such node."""
         sp = self.spec
         for nn in sp.all_nodes():
             if nn.name == node:
                 return sp, nn
         first, last = sp.node(1).name, sp.node(sp.nodes).name
-        raise SandboxError(
+        raise UsageError(
             f"sandbox {self.name!r} has no node {node!r} (its nodes are {first}..{last})",
             hint="corral sandbox status lists them",
         )

@@ -153,7 +153,12 @@ async def scan(target: Target) -> list[tuple[str, str]]:
         ]
         hint = ("check that the host is up and sshd listens on that port "
                 "(containers often use `port = 2222` in corral.toml)")
-        if reason and re.search(r"Connection (closed|reset) by|kex_exchange_identification", reason[-1]):
+        if reason and re.search(r"Name or service not known|Could not resolve|nodename nor servname|"
+                                r"Temporary failure in name resolution", reason[-1]):
+            # Nothing was dialled: sshd and its port are not the question.
+            hint = (f"the name {target.hostname!r} does not resolve: check the spelling, /etc/hosts "
+                    "or DNS, or give the host's `address` in corral.toml")
+        elif reason and re.search(r"Connection (closed|reset) by|kex_exchange_identification", reason[-1]):
             # It answered, then dropped the connections before the key
             # exchange: ssh-keyscan opens one per key type at once.
             hint = ("its sshd dropped the connections before the key exchange: too many at once "

@@ -75,6 +75,26 @@ def _accept(listener: socket.socket) -> None:
         conn.close()
 
 
+def host_names(world: int, device: "torch.device") -> list:
+    """Every rank's host name, gathered as a tensor of its bytes.
+
+    Not all_gather_object: it needs numpy on every node (a node without it
+    failed the smoke test with torch's bare "Numpy is not available"), and a
+    smoke test checks the collective, not the node's numpy."""
+    name = socket.gethostname().encode()[:255]
+    mine = torch.zeros(256, dtype=torch.int32)
+    mine[0] = len(name)
+    if name:
+        mine[1:1 + len(name)] = torch.tensor(list(name), dtype=torch.int32)
+    gathered = [torch.zeros_like(mine, device=device) for _ in range(world)]
+    dist.all_gather(gathered, mine.to(device))
+    out = []
+    for t in gathered:
+        values = t.cpu().tolist()
+        out.append(bytes(values[1:1 + values[0]]).decode(errors="replace"))
+    return out
+
+
 def main() -> int:
     backend = os.environ.get("CORRAL_SMOKE_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = datetime.timedelta(seconds=float(os.environ.get("CORRAL_SMOKE_TIMEOUT", "60")))
@@ -105,8 +125,7 @@ def main() -> int:
               file=sys.stderr, flush=True)
         return 1
     # Which host each rank ran on, so the head can tell ranks from nodes.
-    hosts = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts = host_names(world, device)
     dist.barrier()
     if rank == 0:
         print("CORRAL_SMOKE " + json.dumps({
