@@ -30,6 +30,7 @@ from corral.diagnose import (
     prefilter,
 )
 from corral.diagnose.logtext import iter_text, parse, sniff_encoding
+from corral.diagnose.pyexc import last_exception
 
 FIXTURES = Path(__file__).parent / "fixtures" / "diagnose"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "diagnose.md"
@@ -1215,3 +1216,59 @@ def test_cli_single_log_with_a_plain_exception_names_it_not_nccl_debug():
     assert data["exception"]["where"] == "sharedfs.py:9"
     # a log with no exception keeps the general hint
     assert "NCCL_DEBUG=WARN" in _invoke(str(FIXTURES / "negative-clean-run.log")).output
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.log")))
+def test_grep_prefilter_finds_what_line_by_line_matching_finds(name):
+    """The file path (grep picks the lines) must not lose or misnumber a line either."""
+    slow = Matcher().feed_all(iter_text(fixture(name))).diagnoses()
+    fast = Matcher().feed_file(FIXTURES / name).diagnoses()
+    assert [(d.rule_id, [m.line for m in d.lines]) for d in fast] == \
+        [(d.rule_id, [m.line for m in d.lines]) for d in slow]
+
+
+def test_colour_codes_inside_an_error_line_do_not_hide_it_from_grep(tmp_path):
+    path = tmp_path / "coloured.log"
+    path.write_text("step 1 loss 2.0\n[rank1]: RuntimeError: Default process group has "
+                    "\x1b[1mnot\x1b[0m been \x1b[31minitial\x1b[0mized\nstep 2\n", encoding="utf-8")
+    (top,) = diagnose_path(path)
+    assert (top.rule_id, top.lines[0].line, top.rank) == ("process-group-not-initialized", 2, 1)
+
+
+def test_ordinary_training_lines_never_reach_the_rules(tmp_path, monkeypatch):
+    """Every rule's literal must be rarer than a training line: a literal that
+    ordinary output prints ("loss") sends every line through ~400 regexes."""
+    lines = [f"[r{i % 8}] step {i} | loss {i % 97 / 10:.4f} | lr 3.0e-04 | grad_norm 0.5 | 120 samples/s"
+             for i in range(200)]
+    lines += [f"node{i % 4}: {{'loss': 1.{i:03d}, 'learning_rate': 2e-05, 'epoch': 0.{i:02d}}}" for i in range(200)]
+    lines += [f"[node1/r3] Epoch 1:  {i % 100}%|###       | {i}/500 [00:12<00:30, 5.1it/s, loss=2.{i:02d}]"
+              for i in range(200)]
+    path = tmp_path / "train.log"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    fed: list[str] = []
+    real_feed = Matcher.feed
+    monkeypatch.setattr(Matcher, "feed", lambda self, line: (fed.append(line.text), real_feed(self, line)))
+    assert diagnose_path(path) == []
+    assert fed == []
+    assert prefilter.literals(re.compile(r"loss\W{1,3}nan\b")) == ["nan"]
+
+
+def test_grep_is_stopped_when_the_caller_stops_reading(tmp_path):
+    path = tmp_path / "many.log"
+    path.write_text("NCCL WARN x\n" * 200_000, encoding="utf-8")
+    scan = prefilter.grep_scan(shutil.which("grep"), path, ["NCCL WARN"], 8192)
+    assert next(scan) == (1, "NCCL WARN x")
+    scan.close()  # the generator's finally kills and reaps grep: no process is left behind
+
+
+def test_last_exception_of_a_big_log_is_read_from_its_tail(tmp_path, monkeypatch):
+    monkeypatch.setattr(prefilter, "CHUNK", 61)  # headers and frames cut by block boundaries
+    path = tmp_path / "rank.log"
+    body = "".join(f"step {i}\n" for i in range(300))
+    tb = ('Traceback (most recent call last):\n  File "/w/a.py", line 3, in <module>\n    f()\n'
+          "ValueError: first\n")
+    tb2 = ('[rank1]: Traceback (most recent call last):\n[rank1]:   File "/w/train.py", line 9, in <module>\n'
+           "[rank1]:     x = batch['size']\n[rank1]: KeyError: 'size'\n")
+    path.write_text(body + tb + body + tb2 + "tail line\n", encoding="utf-8")
+    exc = last_exception(path)
+    assert (exc.text, exc.line, exc.user_frame.line) == ("KeyError: 'size'", 300 + 4 + 300 + 4, 9)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import IO
 
 from corral.diagnose import prefilter
 from corral.diagnose.facts import AllFacts, refine_steps
-from corral.diagnose.logtext import MAX_LINE, LogLine, iter_lines, parse
+from corral.diagnose.logtext import MAX_LINE, LogLine, iter_lines, open_log, parse
 from corral.diagnose.rules import Rule, load_rules
 
 #: Matched lines kept per pattern, and per diagnosis in total.
@@ -113,18 +114,18 @@ class Matcher:
         self.host = host
         self.rank = rank
         self._states = [_RuleState(r) for r in self.rules]
-        # Literals one of which any rule's match contains; None: some rule needs every line.
-        self._literals = prefilter.literal_set(
-            rx for r in self.rules for rx in [p.regex for p in r.patterns] + [*r.requires, *r.excludes]
-        )
-        self._filter = None if self._literals is None else prefilter.line_filter(self._literals)
+        # Per rule, literals one of which a line it matches contains (None: it needs every line).
+        self._index = prefilter.LiteralIndex([
+            prefilter.literal_set([p.regex for p in r.patterns] + [*r.requires, *r.excludes])
+            for r in self.rules
+        ])
+        self._literals = self._index.literals
         self._count = 0
 
     def feed(self, line: LogLine) -> None:
         text = line.text
-        if self._literals is not None and (self._filter is None or not self._filter.search(text)):
-            return
-        for rule, state in zip(self.rules, self._states):
+        for index in self._index.candidates(text):
+            rule, state = self.rules[index], self._states[index]
             for i, rx in enumerate(rule.requires):
                 if not state.required[i] and rx.search(text):
                     state.required[i] = True
@@ -164,10 +165,23 @@ class Matcher:
         return self
 
     def feed_stream(self, stream: IO[str]) -> Matcher:
-        """Feed a whole file; only lines containing a rule's literal are parsed."""
+        """Feed a whole text stream; only lines containing a rule's literal are parsed."""
         if self._literals is None:
             return self.feed_all(iter_lines(stream))
         for number, raw in prefilter.scan(stream, self._literals, MAX_LINE):
+            for line in parse(raw, number):
+                self.feed(line)
+        return self
+
+    def feed_file(self, path: str | Path) -> Matcher:
+        """Feed a log file: ``grep -E`` picks the lines holding a rule's literal
+        when the file is UTF-8 and grep is there (hundreds of MB/s), else the
+        pure-Python block scan reads it."""
+        with open_log(path) as stream:
+            grep = None if self._literals is None else prefilter.grep_path(stream.encoding)
+            if grep is None:
+                return self.feed_stream(stream)
+        for number, raw in prefilter.grep_scan(grep, path, self._literals, MAX_LINE):
             for line in parse(raw, number):
                 self.feed(line)
         return self

@@ -416,8 +416,7 @@ def _scan(file: Path, origin: str, rules: Sequence[Rule], host: str | None, rank
           facts: AllFacts | None) -> list[Diagnosis]:
     matcher = Matcher(rules, origin=origin, host=host, rank=rank)
     try:
-        with open_log(file) as stream:
-            matcher.feed_stream(stream)
+        matcher.feed_file(file)
     except OSError as err:
         raise UsageError(f"{file}: cannot read: {err.strerror}") from None
     return matcher.diagnoses(facts)
