@@ -1272,3 +1272,68 @@ def test_last_exception_of_a_big_log_is_read_from_its_tail(tmp_path, monkeypatch
     path.write_text(body + tb + body + tb2 + "tail line\n", encoding="utf-8")
     exc = last_exception(path)
     assert (exc.text, exc.line, exc.user_frame.line) == ("KeyError: 'size'", 300 + 4 + 300 + 4, 9)
+
+
+LOST_NODE_RUN = FIXTURES / "run-lost-node"  # README's demo: `corral sandbox partition` mid-run, recorded
+
+
+def test_lost_node_is_the_finding_not_a_consequence_of_itself():
+    report = diagnose_run(LOST_NODE_RUN)
+    top = report.diagnoses[0]
+    assert top.rule_id == "node-lost" and not top.consequence
+    assert top.title == "d14790n3 was lost: no heartbeat for 10 s (network partition or frozen host)"
+    assert top.hosts == ("d14790n3",) and top.ranks == (4, 5)
+    assert any("ping d14790n3" in step for step in top.fix)
+    assert all(m.host == "d14790n3" for m in top.lines)  # the last lines the lost node wrote
+    # the other nodes' SIGTERM is corral's teardown: a consequence, listed after it
+    assert all(d.consequence for d in report.diagnoses[1:] if d.symptom)
+    out = _invoke(str(LOST_NODE_RUN)).output
+    assert "1. Likely cause: d14790n3 was lost: no heartbeat for 10 s" in out
+    assert "rerun" not in out.split("2. ")[0].lower()
+
+
+def test_run_json_reason_without_seconds_is_shown_as_is(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(LOST_NODE_RUN, run)
+    record = json.loads((run / "run.json").read_text())
+    record["failure"]["reason"] = "the agent connection is closed"
+    (run / "run.json").write_text(json.dumps(record))
+    top = diagnose_run(run).diagnoses[0]
+    assert top.title == "d14790n3 was lost: the agent connection is closed (network partition or frozen host)"
+
+
+@pytest.mark.sandbox
+def test_partitioned_node_of_a_real_run_is_diagnosed_as_lost(sandbox, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    work = Path(__file__).resolve().parents[1] / "scratch" / f"diag-lost-{time.monotonic_ns()}"
+    work.mkdir(parents=True)
+    try:
+        (work / "loop.py").write_text(
+            "import time, torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\nprint('ready', dist.get_rank(), flush=True)\n"
+            "for _ in range(100000):\n    dist.all_reduce(torch.ones(1)); time.sleep(0.2)\n")
+        proc = subprocess.Popen([sys.executable, "-m", "corral", "run", "-c", str(sandbox.cluster_file),
+                                 "loop.py"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        victim = sandbox.nodes[2]
+        try:
+            ready = 0
+            for line in proc.stdout:
+                ready += "] ready " in line
+                if ready == 8:
+                    break
+            sandbox.partition(victim)
+            proc.communicate(timeout=90)
+        finally:
+            sandbox.heal(victim)
+            if proc.poll() is None:
+                proc.kill()
+        (run,) = (work / "runs").iterdir()
+        top = diagnose_run(run).diagnoses[0]
+        assert top.rule_id == "node-lost" and top.host == victim
+        assert top.title.startswith(f"{victim} was lost: no heartbeat for ")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -34,6 +34,7 @@ from typing import Any
 from corral.diagnose.facts import AllFacts
 from corral.diagnose.hang import Hang, read_hang
 from corral.diagnose.logtext import LogLine, iter_lines, open_log
+from corral.diagnose.lost import lost_node
 from corral.diagnose.matcher import Diagnosis, MatchedLine, Matcher
 from corral.diagnose.pyexc import Frame, PyException, basename, last_exception
 from corral.diagnose.rules import Rule, load_rules
@@ -187,6 +188,11 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
         diags = [replace(d, consequence=True) if d.symptom else d for d in diags]
         diags.sort(key=lambda d: d.consequence)
     diags = [_own_rendezvous(d, record) for d in diags]
+    if failure is not None and failure.kind == "lost" and failure.host:
+        # No rank failed: the node went silent, and what the others show is its teardown.
+        diags = [replace(d, consequence=True) if d.symptom else d for d in diags]
+        diags.sort(key=lambda d: d.consequence)
+        diags.insert(0, lost_node(failure.host, failure.reason, root, logs))
     first_error = _first_error(root, logs, per_file, failure)
     local = _file_on_some_nodes_only(root, logs, record, first_error)
     if local is not None and first_error is not None:
