@@ -78,12 +78,13 @@ def test_every_fixture_file_belongs_to_a_rule_or_is_negative():
 # Every negative-*.log (healthy output of real runs, or unrelated errors) must stay silent.
 @pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("negative-*.log")))
 def test_unrelated_logs_are_not_diagnosed(name):
-    assert diagnose_path(FIXTURES / name) == []
+    # a notice (NCCL fell back to sockets) is worth naming in a healthy log, and is no failure
+    assert [d for d in diagnose_path(FIXTURES / name) if not d.notice] == []
 
 
 def test_nccl_info_chatter_is_not_an_nccl_problem():
     diags = diagnose_path(FIXTURES / "negative-nccl-info.log")
-    assert [d for d in diags if d.category == "network"] == []
+    assert [d for d in diags if d.category == "network" and not d.notice] == []
 
 
 def test_same_op_everywhere_is_a_timeout_not_a_collective_mismatch():
@@ -1337,3 +1338,42 @@ def test_partitioned_node_of_a_real_run_is_diagnosed_as_lost(sandbox, tmp_path):
         assert top.title.startswith(f"{victim} was lost: no heartbeat for ")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# ------------------------------------------------------------ logs without a failure
+
+NO_FAILURE_LOGS = ["negative-clean-run.log", "negative-benign-warnings.log", "negative-nccl-info.log",
+                   "negative-deepspeed-megatron-steps.log", "negative-torchtitan-srun-steps.log"]
+
+
+@pytest.mark.parametrize("name", NO_FAILURE_LOGS)
+def test_a_log_without_a_failure_says_so_and_suggests_no_nccl_debugging(name):
+    report = diagnose_run(FIXTURES / name)
+    assert not report.found and report.failure_lines == ()
+    result = _invoke(str(FIXTURES / name))
+    assert "No failure found" in result.output
+    assert "NCCL_DEBUG" not in result.output and "no known failure signature" not in result.output
+    assert result.exit_code == 1
+
+
+def test_an_unknown_error_is_not_called_no_failure():
+    result = _invoke("-", input="step 1 loss 2.0\nRuntimeError: the flux capacitor is cold\n")
+    assert "No failure found" not in result.output
+    assert "line 2  RuntimeError: the flux capacitor is cold" in result.output
+    assert "no known failure signature matched" in result.output
+
+
+def test_sockets_instead_of_infiniband_is_a_notice_after_the_causes(tmp_path):
+    report = diagnose_run(FIXTURES / "nccl-ib-fallback.log")
+    assert [(d.rule_id, d.notice) for d in report.diagnoses] == [("nccl-ib-fallback", True)]
+    assert not report.found
+    assert "Worth knowing (not a failure): NCCL is using TCP sockets" in _invoke(
+        str(FIXTURES / "nccl-ib-fallback.log")).output
+    both = tmp_path / "both.log"
+    both.write_text(fixture("nccl-ib-fallback.log") + fixture("nccl-socket-family.log"), encoding="utf-8")
+    assert [d.rule_id for d in diagnose_path(both)] == ["nccl-socket-family", "nccl-ib-fallback"]
+    # IB switched off on purpose: nothing to say
+    off = tmp_path / "off.log"
+    off.write_text("h:1:1 [0] NCCL INFO NCCL_IB_DISABLE set by environment to 1.\n"
+                   + fixture("nccl-ib-fallback.log"), encoding="utf-8")
+    assert diagnose_path(off) == []

@@ -71,6 +71,8 @@ class Diagnosis:
     #: In a run directory: a symptom seen away from the first failing rank, so a
     #: consequence of that rank's failure rather than a cause.
     consequence: bool = False
+    #: Not a failure, but worth naming (a performance warning); listed after the causes.
+    notice: bool = False
 
     @property
     def id(self) -> str:
@@ -194,7 +196,7 @@ class Matcher:
             if diag is not None:
                 first = min(ln.number for ln_list in state.lines for ln in ln_list)
                 found.append((-diag.confidence, first, order, diag))
-        found.sort(key=lambda t: t[:3])
+        found.sort(key=lambda t: (t[3].notice, *t[:3]))
         return [d for *_, d in found]
 
     def _where(self, line: LogLine) -> tuple[str | None, int | None]:
@@ -261,7 +263,7 @@ class Matcher:
             category_label=rule.category_label, cause=rule.cause, fix=tuple(fix),
             confidence=confidence, lines=lines, host=host, rank=rank, hosts=tuple(hosts),
             ranks=tuple(ranks), origin=self.origin, sources=rule.sources, captures=captures,
-            symptom=rule.symptom,
+            symptom=rule.symptom, notice=rule.notice,
         )
 
 

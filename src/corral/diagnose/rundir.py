@@ -38,6 +38,7 @@ from corral.diagnose.lost import lost_node
 from corral.diagnose.matcher import Diagnosis, MatchedLine, Matcher
 from corral.diagnose.pyexc import Frame, PyException, basename, last_exception
 from corral.diagnose.rules import Rule, load_rules
+from corral.diagnose.signs import failure_lines_in_file
 from corral.errors import UsageError
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.log$")
@@ -135,11 +136,16 @@ class RunReport:
     #: For a single log file: the Python exception it ends with, if any
     #: (``FileNotFoundError: ... (train.py:9)``); a run directory has ``first_error``.
     exception: PyException | None = None
+    #: For a single log no rule explains: (line, text) of its first lines that look
+    #: like a failure; ``()`` means it shows none (a healthy log), None: not checked.
+    failure_lines: tuple[tuple[int, str], ...] | None = None
 
     @property
     def found(self) -> bool:
-        """Something names the failure: a rule, the first rank's exception, or a hang."""
-        return bool(self.diagnoses) or self.first_error is not None or self.hang is not None
+        """Something names the failure: a rule, the first rank's exception, or a hang
+        (a notice, such as NCCL falling back to sockets, is no failure)."""
+        return (any(not d.notice for d in self.diagnoses) or self.first_error is not None
+                or self.hang is not None)
 
 
 def diagnose_path(path: str | Path, facts: AllFacts | None = None,
@@ -160,11 +166,13 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
         diags = _scan(root, str(root), rules, None, None, facts)
         try:
             exc = last_exception(root)
+            unexplained = exc is None and all(d.notice for d in diags)
+            signs = failure_lines_in_file(root) if unexplained else None
         except OSError:
-            exc = None
+            exc, signs = None, None
         return RunReport(path=str(root), kind="file", files=(str(root),), failure=None,
                          facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags),
-                         exception=exc)
+                         exception=exc, failure_lines=signs)
     run_json = root / "run.json"
     record = _read_record(run_json) if run_json.is_file() else {}
     failure = _failure(record)
@@ -186,12 +194,12 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
     if record.get("status") == "interrupted":
         # Ctrl-C or SIGTERM stopped it: a peer "going away" is that stop.
         diags = [replace(d, consequence=True) if d.symptom else d for d in diags]
-        diags.sort(key=lambda d: d.consequence)
+        diags.sort(key=lambda d: (d.notice, d.consequence))
     diags = [_own_rendezvous(d, record) for d in diags]
     if failure is not None and failure.kind == "lost" and failure.host:
         # No rank failed: the node went silent, and what the others show is its teardown.
         diags = [replace(d, consequence=True) if d.symptom else d for d in diags]
-        diags.sort(key=lambda d: d.consequence)
+        diags.sort(key=lambda d: (d.notice, d.consequence))
         diags.insert(0, lost_node(failure.host, failure.reason, root, logs))
     first_error = _first_error(root, logs, per_file, failure)
     local = _file_on_some_nodes_only(root, logs, record, first_error)
@@ -459,7 +467,7 @@ def _merge(per_file: list[list[Diagnosis]], failure: Failure | None,
         merged.append(replace(primary, confidence=max(d.confidence for d in ds),
                               lines=tuple(lines), hosts=tuple(hosts), ranks=tuple(ranks),
                               consequence=consequence))
-    merged.sort(key=lambda d: (d.consequence, not _at_failure(d, failure), -d.confidence,
+    merged.sort(key=lambda d: (d.notice, d.consequence, not _at_failure(d, failure), -d.confidence,
                                order.get(d.rule_id, 0)))
     return merged
 
