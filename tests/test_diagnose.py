@@ -12,6 +12,7 @@ import codecs
 import json
 import re
 import shutil
+
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from corral.diagnose import (
 )
 from corral.diagnose.logtext import iter_text, parse, sniff_encoding
 from corral.diagnose.pyexc import last_exception
+from corral.diagnose.rules import tomllib  # tomli on Python 3.10
 
 FIXTURES = Path(__file__).parent / "fixtures" / "diagnose"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "diagnose.md"
@@ -1377,3 +1379,19 @@ def test_sockets_instead_of_infiniband_is_a_notice_after_the_causes(tmp_path):
     off.write_text("h:1:1 [0] NCCL INFO NCCL_IB_DISABLE set by environment to 1.\n"
                    + fixture("nccl-ib-fallback.log"), encoding="utf-8")
     assert diagnose_path(off) == []
+
+
+FAMILIES = FIXTURES / "families"
+_FAMILY_LOGS = tomllib.loads((FAMILIES / "families.toml").read_text(encoding="utf-8"))["log"]
+
+
+@pytest.mark.parametrize("entry", _FAMILY_LOGS, ids=[f"{e['split']}-{Path(e['file']).name}" for e in _FAMILY_LOGS])
+def test_real_logs_of_the_issue_families_name_the_right_cause(entry):
+    """Real wordings of sshd/pdsh/c10d/NCCL/DeepSpeed failures (dev and held-out,
+    see families.toml and bench/score_diagnose.py) are diagnosed with their cause."""
+    diags = diagnose_path(FAMILIES / entry["file"])
+    if entry.get("notice"):
+        assert [d.rule_id for d in diags if d.notice] == entry["expect"]
+    else:
+        causes = [d.rule_id for d in diags if not d.notice]
+        assert causes and causes[0] in entry["expect"], causes
