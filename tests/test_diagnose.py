@@ -904,12 +904,16 @@ def test_cli_json(tmp_path):
     assert top["lines"][0]["line"] == 2 and top["fix"]
 
 
-def test_cli_nothing_matched_exits_1():
-    result = _invoke(str(FIXTURES / "negative-clean-run.log"))
+def test_cli_nothing_matched_exits_1(tmp_path):
+    unknown = tmp_path / "unknown.log"
+    unknown.write_text("step 1 loss 2.0\nfatal: the frobnicator gave up\n", encoding="utf-8")
+    result = _invoke(str(unknown))
     assert result.exit_code == 1
     assert "no known failure signature matched" in result.output
     data = json.loads(_invoke(str(FIXTURES / "negative-clean-run.log"), "--json").output)
-    assert data == {**data, "matched": False, "diagnoses": []}
+    assert data == {**data, "matched": False, "diagnoses": [], "failure_lines": []}
+    assert json.loads(_invoke(str(unknown), "--json").output)["failure_lines"] == [
+        {"line": 2, "text": "fatal: the frobnicator gave up"}]
 
 
 def test_cli_missing_file_exits_2(tmp_path):
@@ -1217,8 +1221,8 @@ def test_cli_single_log_with_a_plain_exception_names_it_not_nccl_debug():
     assert "NCCL_DEBUG" not in out and "corral diagnose <run-dir>" in out
     data = json.loads(_invoke(str(NODE_LOCAL_FILE_RUN / "g2" / "rank1.log"), "--json").output)
     assert data["exception"]["where"] == "sharedfs.py:9"
-    # a log with no exception keeps the general hint
-    assert "NCCL_DEBUG=WARN" in _invoke(str(FIXTURES / "negative-clean-run.log")).output
+    # a log with an error no rule knows (and no traceback) keeps the general hint
+    assert "NCCL_DEBUG=WARN" in _invoke("-", input="NCCL WARN something odd happened\n").output
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.log")))

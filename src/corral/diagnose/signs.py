@@ -38,7 +38,7 @@ _SIGN = re.compile(
 # Lines that say "error"/"failed" without a failure: NCCL's INFO chatter, warnings,
 # counters and progress summaries that report none.
 _BENIGN = re.compile(
-    r"NCCL INFO|\b\w*Warning\b|\[W[ \d]|\bW\d{4} |\bWARN(?:ING)?\b|\b0 (?:errors?|failed|failures)\b"
+    r"NCCL INFO|\b\w*Warning\b|\[W[ \d]|\bW\d{4} |(?<!NCCL )\bWARN(?:ING)?\b|\b0 (?:errors?|failed|failures)\b"
     r"|\bno errors?\b|\berrors?=0\b|\bfailed=0\b"
 )
 #: Failure-looking lines kept as evidence.
