@@ -1250,6 +1250,18 @@ def test_ordinary_training_lines_never_reach_the_rules(tmp_path, monkeypatch):
     lines += [f"node{i % 4}: {{'loss': 1.{i:03d}, 'learning_rate': 2e-05, 'epoch': 0.{i:02d}}}" for i in range(200)]
     lines += [f"[node1/r3] Epoch 1:  {i % 100}%|###       | {i}/500 [00:12<00:30, 5.1it/s, loss=2.{i:02d}]"
               for i in range(200)]
+    # other launchers' progress lines (DeepSpeed, Megatron, Lightning, torchtitan, fairseq)
+    lines += [
+        "[2024-01-01 12:00:00,000] [INFO] [logging.py:96:log_dist] [Rank 0] step=100, skipped=0, lr=[0.0003]",
+        "steps: 100 loss: 2.3456 iter time (s): 0.512 samples/sec: 64.2",
+        "[2024-01-01 12:00:00,000] [INFO] [timer.py:260:stop] epoch=0/micro_step=100/global_step=100, "
+        "RunningAvgSamplesPerSec=61.2, CurrSamplesPerSec=63.0, MemAllocated=12.3GB, MaxMemAllocated=20.1GB",
+        " iteration      100/  500000 | consumed samples:        51200 | lm loss: 6.123456E+00 | loss scale: "
+        "65536.0 | grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |",
+        "Epoch 0:  10%|#         | 100/1000 [00:50<07:30,  2.00it/s, v_num=0, train_loss=2.340]",
+        "[titan] 2024-01-01 12:00:00,000 - root - INFO - step:  10  loss:  9.8765  memory: 30.12GiB(31.7%)",
+        "2024-01-01 12:00:00 | INFO | fairseq.trainer | begin training epoch 1",
+    ] * 20
     path = tmp_path / "train.log"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     fed: list[str] = []

@@ -19,6 +19,7 @@ from corral.diagnose import (
     load_rules,
 )
 from corral.diagnose.logtext import sniff_encoding
+from corral.diagnose.lost import NODE_LOST
 from corral.diagnose.pyexc import basename
 from corral.diagnose.rundir import resolve_target
 from corral.diagnose.signs import failure_lines_in_text
@@ -349,7 +350,7 @@ def _print_one(con, n: int, d: Diagnosis, label: str, *, multi_file: bool) -> No
     if where:
         meta += f" · {where}"
     con.print(f"   [dim]{escape(meta)}[/]")
-    con.print("   [cyan]matched:[/]")
+    con.print("   [cyan]last lines it wrote:[/]" if d.rule_id == NODE_LOST else "   [cyan]matched:[/]")
     for m in d.lines:
         loc = f"{m.origin}:{m.line}" if multi_file and m.origin else f"line {m.line}"
         text = m.text if len(m.text) <= _SHOWN_LINE else m.text[:_SHOWN_LINE] + " ..."

@@ -17,8 +17,9 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from corral.diagnose.logtext import open_log
+from corral.diagnose.logtext import MAX_LINE, open_log
 from corral.diagnose.matcher import Diagnosis, MatchedLine
+from corral.diagnose.prefilter import blocks
 
 #: Id of the finding (it comes from run.json, so it is no rule in rules.toml).
 NODE_LOST = "node-lost"
@@ -29,17 +30,25 @@ _MAX_LINES = 8
 
 
 def _tail(file: Path, origin: str, host: str, rank: int | None) -> list[MatchedLine]:
-    """The last non-blank lines of one log (carriage-return overwrites split off)."""
-    last: deque[tuple[int, str]] = deque(maxlen=_TAIL)
+    """The last non-blank lines of one log (carriage-return overwrites split off).
+
+    Read in blocks (newlines counted in C), so a multi-gigabyte rank log
+    costs a pass at memory speed and only its last blocks are split.
+    """
+    last: deque[tuple[int, str]] = deque(maxlen=2)
     try:
         with open_log(file) as stream:
-            for number, raw in enumerate(stream, start=1):
-                text = raw.rstrip("\n").split("\r")[-1].strip() or raw.strip()
-                if text:
-                    last.append((number, text[:400]))
+            for number, text in blocks(stream, MAX_LINE):
+                last.append((number, text))
     except OSError:
         return []
-    return [MatchedLine(line=n, text=t, origin=origin, host=host, rank=rank) for n, t in last]
+    found: deque[tuple[int, str]] = deque(maxlen=_TAIL)
+    for number, text in last:
+        for i, raw in enumerate(text.split("\n")):
+            shown = raw.split("\r")[-1].strip() or raw.strip()
+            if shown:
+                found.append((number + i, shown[:400]))
+    return [MatchedLine(line=n, text=t, origin=origin, host=host, rank=rank) for n, t in found]
 
 
 def lost_node(failure_host: str, reason: str | None, root: Path,
