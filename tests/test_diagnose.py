@@ -1411,3 +1411,9 @@ def test_real_logs_of_the_issue_families_name_the_right_cause(entry):
     else:
         causes = [d.rule_id for d in diags if not d.notice]
         assert causes and causes[0] in entry["expect"], causes
+
+
+def test_a_literal_set_too_long_for_one_grep_argument_takes_the_python_scan(tmp_path):
+    assert prefilter.grep_path("utf-8", ["x" * 60_000]) is None
+    assert prefilter.grep_path("utf-16", ["NCCL WARN"]) is None
+    assert prefilter.grep_path("utf-8", ["NCCL WARN"]) == shutil.which("grep")

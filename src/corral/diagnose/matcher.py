@@ -180,7 +180,7 @@ class Matcher:
         when the file is UTF-8 and grep is there (hundreds of MB/s), else the
         pure-Python block scan reads it."""
         with open_log(path) as stream:
-            grep = None if self._literals is None else prefilter.grep_path(stream.encoding)
+            grep = None if self._literals is None else prefilter.grep_path(stream.encoding, self._literals)
             if grep is None:
                 return self.feed_stream(stream)
         for number, raw in prefilter.grep_scan(grep, path, self._literals, MAX_LINE):

@@ -24,6 +24,7 @@ every training line prints ("loss", "step") when another will do.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -248,9 +249,16 @@ def scan(stream: IO[str], lits: list[str], max_line: int) -> Iterator[tuple[int,
 _GREP_ENCODINGS = frozenset({"utf-8", "utf-8-sig"})
 
 
-def grep_path(encoding: str) -> str | None:
-    """The system grep, if a file in ``encoding`` can be searched with it (as bytes)."""
+#: Longest alternation passed to grep as one argument (Linux allows 128 KiB per argument).
+_MAX_PATTERN = 100_000
+
+
+def grep_path(encoding: str, lits: Sequence[str] = ()) -> str | None:
+    """The system grep, if a file in ``encoding`` can be searched with it (as bytes)
+    for ``lits`` (their alternation fits in one argument)."""
     if encoding.lower().replace("_", "-") not in _GREP_ENCODINGS:
+        return None
+    if sum(len(lit) * 2 + 1 for lit in lits) > _MAX_PATTERN:
         return None
     return shutil.which("grep")
 
@@ -281,16 +289,11 @@ def grep_scan(grep: str, path: str | Path, lits: Sequence[str], max_line: int) -
     """
     if any("\n" in lit or "\x00" in lit for lit in lits):
         raise ValueError("a literal holds a newline or NUL")
-    pattern = ere_alternation((*lits, "\x1b")).encode("utf-8") + b"\n"
-    proc = subprocess.Popen([grep, "-a", "-n", "-E", "-f", "-", "--", str(path)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    pattern = ere_alternation((*lits, "\x1b"))
+    proc = subprocess.Popen([grep, "-a", "-n", "-E", "-e", pattern, "--", str(path)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env={**os.environ, "LC_ALL": "C"})
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    try:
-        proc.stdin.write(pattern)
-        proc.stdin.close()
-    except BrokenPipeError:  # grep exited at once (unreadable file): its status says why
-        pass
+    assert proc.stdout is not None and proc.stderr is not None
     limit = max_line * 4 + 24  # bytes: the line number, then up to max_line UTF-8 characters
     try:
         while True:
@@ -301,6 +304,8 @@ def grep_scan(grep: str, path: str | Path, lits: Sequence[str], max_line: int) -
                 while (more := proc.stdout.readline(limit)) and not more.endswith(b"\n"):
                     pass
             head, _, body = raw.partition(b":")
+            if not head.isdigit():  # not a "N:line" record: nothing of the log
+                continue
             number = int(head)
             line = body.decode("utf-8", errors="replace").rstrip("\n")
             if number == 1:
@@ -312,7 +317,7 @@ def grep_scan(grep: str, path: str | Path, lits: Sequence[str], max_line: int) -
             yield number, line
         err = proc.stderr.read().decode("utf-8", errors="replace").strip()
         if proc.wait() > 1:
-            raise GrepError(f"grep: {err or f'exit status {proc.returncode}'}")
+            raise GrepError(errno.EIO, f"grep: {err or f'exit status {proc.returncode}'}")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -63,7 +63,7 @@ def _lines(candidates: Iterator[tuple[int, str]]) -> tuple[tuple[int, str], ...]
 def failure_lines_in_file(path: str | Path) -> tuple[tuple[int, str], ...]:
     """(line number, line) of the first lines of a log file that look like a failure."""
     with open_log(path) as stream:
-        grep = prefilter.grep_path(stream.encoding)
+        grep = prefilter.grep_path(stream.encoding, _LITERALS)
         if grep is None:
             return _lines(prefilter.scan(stream, list(_LITERALS), MAX_LINE))
     scan = prefilter.grep_scan(grep, path, _LITERALS, MAX_LINE)
