@@ -1417,3 +1417,11 @@ def test_a_literal_set_too_long_for_one_grep_argument_takes_the_python_scan(tmp_
     assert prefilter.grep_path("utf-8", ["x" * 60_000]) is None
     assert prefilter.grep_path("utf-16", ["NCCL WARN"]) is None
     assert prefilter.grep_path("utf-8", ["NCCL WARN"]) == shutil.which("grep")
+
+
+def test_a_notice_is_never_handed_out_as_a_failed_runs_cause():
+    """corral run's summary takes diagnose_text's first entries as the likely cause."""
+    text = fixture("nccl-ib-fallback.log")
+    assert diagnose_text(text) == []
+    assert [d.rule_id for d in diagnose_text(text, notices=True)] == ["nccl-ib-fallback"]
+    assert "Worth knowing (not a failure)" in _invoke("-", input=text).output

@@ -87,7 +87,7 @@ def diagnose(target: str | None, as_json: bool, show_all: bool, facts_file: str 
     facts = load_facts(facts_file) if facts_file else None
     if target == "-":
         text = _read_stdin()
-        diags = diagnose_text(text, origin="<stdin>", facts=facts, rules=rules)
+        diags = diagnose_text(text, origin="<stdin>", facts=facts, rules=rules, notices=True)
         signs = failure_lines_in_text(text) if all(d.notice for d in diags) else None
         report = RunReport(path="<stdin>", kind="file", files=("<stdin>",), failure=None,
                            facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags),

@@ -275,11 +275,16 @@ def diagnose_text(
     rules: Sequence[Rule] | None = None,
     host: str | None = None,
     rank: int | None = None,
+    notices: bool = False,
 ) -> list[Diagnosis]:
     """Likely causes of the failure ``text`` shows, most likely first.
 
     ``host``/``rank`` attribute lines that do not name their own (a per-rank
     log file); ``facts`` (doctor facts per host) make fix steps host-specific.
+    Notices (no failure, e.g. NCCL using sockets) are left out unless
+    ``notices``: callers that take the first entries as a failed run's cause
+    (corral run's summary) must not get one.
     """
     matcher = Matcher(rules, origin=origin, host=host, rank=rank)
-    return matcher.feed_stream(io.StringIO(text.removeprefix("\ufeff"))).diagnoses(facts)
+    found = matcher.feed_stream(io.StringIO(text.removeprefix("\ufeff"))).diagnoses(facts)
+    return found if notices else [d for d in found if not d.notice]
