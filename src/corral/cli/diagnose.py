@@ -19,8 +19,10 @@ from corral.diagnose import (
     load_rules,
 )
 from corral.diagnose.logtext import sniff_encoding
+from corral.diagnose.lost import NODE_LOST
 from corral.diagnose.pyexc import basename
 from corral.diagnose.rundir import resolve_target
+from corral.diagnose.signs import failure_lines_in_text
 from corral.errors import UsageError
 from corral.runs import default_root
 from corral.stacks import NEVER_MET
@@ -33,6 +35,11 @@ _NOTHING = (
     "no known failure signature matched; the error may be in another file (read the log of "
     "the first rank that failed), or this failure is not in corral's knowledge base yet. "
     "Rerun with NCCL_DEBUG=WARN and TORCH_DISTRIBUTED_DEBUG=DETAIL for more telling errors."
+)
+_NO_FAILURE = (
+    "No failure found: this log shows no traceback, error line, non-zero exit or fatal signal, "
+    "so there is nothing to diagnose. If the run did fail, its error is in another log: the "
+    "first failing rank's, or the launcher's (`corral diagnose <run-dir>` reads them all)."
 )
 
 
@@ -71,15 +78,22 @@ def diagnose(target: str | None, as_json: bool, show_all: bool, facts_file: str 
       corral diagnose slurm-4242.out --all
       pbpaste | corral diagnose - --json
 
+    A log that shows no failure at all (no traceback, error line or non-zero
+    exit) is reported as such; notices that are no failure (NCCL using TCP
+    sockets instead of InfiniBand) are listed after the causes.
+
     Exit status: 0 when a cause was found (a known failure, the first failing
     rank's exception, or a hang), 1 when nothing was, 2 on bad input.
     """
     rules = load_rules(rules_files)
     facts = load_facts(facts_file) if facts_file else None
     if target == "-":
-        diags = diagnose_text(_read_stdin(), origin="<stdin>", facts=facts, rules=rules)
+        text = _read_stdin()
+        diags = diagnose_text(text, origin="<stdin>", facts=facts, rules=rules, notices=True)
+        signs = failure_lines_in_text(text) if all(d.notice for d in diags) else None
         report = RunReport(path="<stdin>", kind="file", files=("<stdin>",), failure=None,
-                           facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags))
+                           facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags),
+                           failure_lines=signs)
     else:
         root = runs_dir or default_root(Path()).path
         path = resolve_target(target, root) if target is not None else _latest_unsuccessful(root)
@@ -128,6 +142,8 @@ def _as_json(report: RunReport) -> dict:
             f"{basename(report.exception.user_frame.file)}:{report.exception.user_frame.line}",
         },
         "diagnoses": [d.to_dict() for d in report.diagnoses],
+        "failure_lines": None if report.failure_lines is None else [
+            {"line": n, "text": t} for n, t in report.failure_lines],
     }
 
 
@@ -181,8 +197,17 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
         elif report.status == "interrupted":
             con.print("\n[green]No rank had failed before the interruption: nothing to diagnose "
                       "(the logs show how far the run got).[/]")
+        elif report.failure_lines == ():
+            con.print(f"\n[green]{escape(_NO_FAILURE)}[/]")
         else:
+            if report.failure_lines:
+                con.print("\n[bold]Lines that look like the failure:[/]")
+                for number, line in report.failure_lines:
+                    text = line if len(line) <= _SHOWN_LINE else line[:_SHOWN_LINE] + " ..."
+                    con.print(f"     [dim]line {number}[/]  {escape(text)}")
             con.print(f"\n[yellow]{escape(_NOTHING)}[/]")
+        for i, d in enumerate(report.diagnoses, start=1):  # notices: worth knowing, no failure
+            _print_one(con, i, d, "Worth knowing (not a failure)", multi_file=report.kind != "file")
         return
     n = 0
     if report.hang is not None:
@@ -204,7 +229,9 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
     causes = 0
     for d in shown:
         n += 1
-        if d.consequence:
+        if d.notice:
+            label = "Worth knowing (not a failure)"
+        elif d.consequence:
             label = ("Consequence of the interruption (Ctrl-C or SIGTERM)" if report.status == "interrupted"
                      else "Consequence of the first failure")
         else:
@@ -325,7 +352,7 @@ def _print_one(con, n: int, d: Diagnosis, label: str, *, multi_file: bool) -> No
     if where:
         meta += f" · {where}"
     con.print(f"   [dim]{escape(meta)}[/]")
-    con.print("   [cyan]matched:[/]")
+    con.print("   [cyan]last lines it wrote:[/]" if d.rule_id == NODE_LOST else "   [cyan]matched:[/]")
     for m in d.lines:
         loc = f"{m.origin}:{m.line}" if multi_file and m.origin else f"line {m.line}"
         text = m.text if len(m.text) <= _SHOWN_LINE else m.text[:_SHOWN_LINE] + " ..."

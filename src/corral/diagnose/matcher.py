@@ -16,11 +16,12 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import IO
 
 from corral.diagnose import prefilter
 from corral.diagnose.facts import AllFacts, refine_steps
-from corral.diagnose.logtext import MAX_LINE, LogLine, iter_lines, parse
+from corral.diagnose.logtext import MAX_LINE, LogLine, iter_lines, open_log, parse
 from corral.diagnose.rules import Rule, load_rules
 
 #: Matched lines kept per pattern, and per diagnosis in total.
@@ -70,6 +71,8 @@ class Diagnosis:
     #: In a run directory: a symptom seen away from the first failing rank, so a
     #: consequence of that rank's failure rather than a cause.
     consequence: bool = False
+    #: Not a failure, but worth naming (a performance warning); listed after the causes.
+    notice: bool = False
 
     @property
     def id(self) -> str:
@@ -113,18 +116,18 @@ class Matcher:
         self.host = host
         self.rank = rank
         self._states = [_RuleState(r) for r in self.rules]
-        # Literals one of which any rule's match contains; None: some rule needs every line.
-        self._literals = prefilter.literal_set(
-            rx for r in self.rules for rx in [p.regex for p in r.patterns] + [*r.requires, *r.excludes]
-        )
-        self._filter = None if self._literals is None else prefilter.line_filter(self._literals)
+        # Per rule, literals one of which a line it matches contains (None: it needs every line).
+        self._index = prefilter.LiteralIndex([
+            prefilter.literal_set([p.regex for p in r.patterns] + [*r.requires, *r.excludes])
+            for r in self.rules
+        ])
+        self._literals = self._index.literals
         self._count = 0
 
     def feed(self, line: LogLine) -> None:
         text = line.text
-        if self._literals is not None and (self._filter is None or not self._filter.search(text)):
-            return
-        for rule, state in zip(self.rules, self._states):
+        for index in self._index.candidates(text):
+            rule, state = self.rules[index], self._states[index]
             for i, rx in enumerate(rule.requires):
                 if not state.required[i] and rx.search(text):
                     state.required[i] = True
@@ -164,10 +167,23 @@ class Matcher:
         return self
 
     def feed_stream(self, stream: IO[str]) -> Matcher:
-        """Feed a whole file; only lines containing a rule's literal are parsed."""
+        """Feed a whole text stream; only lines containing a rule's literal are parsed."""
         if self._literals is None:
             return self.feed_all(iter_lines(stream))
         for number, raw in prefilter.scan(stream, self._literals, MAX_LINE):
+            for line in parse(raw, number):
+                self.feed(line)
+        return self
+
+    def feed_file(self, path: str | Path) -> Matcher:
+        """Feed a log file: ``grep -E`` picks the lines holding a rule's literal
+        when the file is UTF-8 and grep is there (hundreds of MB/s), else the
+        pure-Python block scan reads it."""
+        with open_log(path) as stream:
+            grep = None if self._literals is None else prefilter.grep_path(stream.encoding, self._literals)
+            if grep is None:
+                return self.feed_stream(stream)
+        for number, raw in prefilter.grep_scan(grep, path, self._literals, MAX_LINE):
             for line in parse(raw, number):
                 self.feed(line)
         return self
@@ -180,7 +196,7 @@ class Matcher:
             if diag is not None:
                 first = min(ln.number for ln_list in state.lines for ln in ln_list)
                 found.append((-diag.confidence, first, order, diag))
-        found.sort(key=lambda t: t[:3])
+        found.sort(key=lambda t: (t[3].notice, *t[:3]))
         return [d for *_, d in found]
 
     def _where(self, line: LogLine) -> tuple[str | None, int | None]:
@@ -247,7 +263,7 @@ class Matcher:
             category_label=rule.category_label, cause=rule.cause, fix=tuple(fix),
             confidence=confidence, lines=lines, host=host, rank=rank, hosts=tuple(hosts),
             ranks=tuple(ranks), origin=self.origin, sources=rule.sources, captures=captures,
-            symptom=rule.symptom,
+            symptom=rule.symptom, notice=rule.notice,
         )
 
 
@@ -259,11 +275,16 @@ def diagnose_text(
     rules: Sequence[Rule] | None = None,
     host: str | None = None,
     rank: int | None = None,
+    notices: bool = False,
 ) -> list[Diagnosis]:
     """Likely causes of the failure ``text`` shows, most likely first.
 
     ``host``/``rank`` attribute lines that do not name their own (a per-rank
     log file); ``facts`` (doctor facts per host) make fix steps host-specific.
+    Notices (no failure, e.g. NCCL using sockets) are left out unless
+    ``notices``: callers that take the first entries as a failed run's cause
+    (corral run's summary) must not get one.
     """
     matcher = Matcher(rules, origin=origin, host=host, rank=rank)
-    return matcher.feed_stream(io.StringIO(text.removeprefix("\ufeff"))).diagnoses(facts)
+    found = matcher.feed_stream(io.StringIO(text.removeprefix("\ufeff"))).diagnoses(facts)
+    return found if notices else [d for d in found if not d.notice]

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.diagnose.logtext import LogLine, iter_raw, open_log, parse
+from corral.diagnose.logtext import MAX_LINE, LogLine, open_log, parse
+from corral.diagnose.prefilter import blocks
 
 _HEADER = "Traceback (most recent call last)"
 _FRAME = re.compile(r'^File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>.+?))?\s*$')
@@ -129,12 +130,26 @@ def parse_traceback(lines: Iterable[LogLine]) -> PyException | None:
 
 
 def last_exception(path: str | Path) -> PyException | None:
-    """The last Python exception a log file shows (its last traceback), if any."""
+    """The last Python exception a log file shows (its last traceback), if any.
+
+    The file is read in large blocks and only searched (``str.rfind``, in C)
+    for the last traceback header: lines are split only from there on, so a
+    multi-gigabyte log costs a pass at memory speed, not a Python loop per line.
+    """
     tail: list[tuple[int, str]] = []
     with open_log(path) as stream:
-        for number, raw in iter_raw(stream):  # substring checks only; parse the tail
-            if _HEADER in raw:
-                tail = [(number, raw)]
-            elif tail and len(tail) < _MAX_TB_LINES:
-                tail.append((number, raw))
+        for number, text in blocks(stream, MAX_LINE):
+            at = text.rfind(_HEADER)
+            if at >= 0:
+                start = text.rfind("\n", 0, at) + 1
+                number += text.count("\n", 0, start)
+                tail = []
+                text = text[start:]
+            elif not tail or len(tail) >= _MAX_TB_LINES:
+                continue
+            lines = text.split("\n")
+            if lines and lines[-1] == "":
+                lines.pop()
+            room = _MAX_TB_LINES - len(tail)
+            tail += [(number + i, raw[:MAX_LINE]) for i, raw in enumerate(lines[:room])]
     return parse_traceback(ln for number, raw in tail for ln in parse(raw, number))

@@ -55,7 +55,7 @@ WEAK_WEIGHT = 0.2
 _BUILTIN_NAMES = frozenset({"host", "rank"})
 _RULE_KEYS = frozenset(
     {"id", "title", "category", "patterns", "weak", "requires", "excludes", "distinct",
-     "cause", "fix", "refine", "source", "fixtures", "symptom"}
+     "cause", "fix", "refine", "source", "fixtures", "symptom", "notice"}
 )
 _REQUIRED = ("id", "title", "category", "patterns", "cause", "fix")
 _PATTERN_KEYS = frozenset({"re", "weight", "check"})
@@ -118,6 +118,8 @@ class Rule:
     fixtures: tuple[str, ...] = ()
     #: The error is the echo of a failure elsewhere (a peer went away), not a cause.
     symptom: bool = False
+    #: Not a failure but worth naming (NCCL fell back to sockets): listed after the causes.
+    notice: bool = False
 
     @property
     def category_label(self) -> str:
@@ -208,8 +210,11 @@ def _parse_rule(path: Path, index: int, entry: Any) -> Rule:
         raise fail("'patterns' must list at least one regex")
     patterns += tuple(_parse_pattern(p, fail, weak=True) for p in _list(entry, "weak", fail))
     symptom = entry.get("symptom", False)
+    notice = entry.get("notice", False)
     if not isinstance(symptom, bool):
         raise fail("'symptom' must be true or false")
+    if not isinstance(notice, bool):
+        raise fail("'notice' must be true or false")
     rule = Rule(
         id=rid,
         title=_text(entry, "title", fail),
@@ -224,6 +229,7 @@ def _parse_rule(path: Path, index: int, entry: Any) -> Rule:
         sources=_one_or_many(entry, "source", fail),
         fixtures=tuple(_strings(entry, "fixtures", fail)),
         symptom=symptom,
+        notice=notice,
     )
     if not rule.fix:
         raise fail("'fix' must list at least one step")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,9 +35,11 @@ from typing import Any
 from corral.diagnose.facts import AllFacts
 from corral.diagnose.hang import Hang, read_hang
 from corral.diagnose.logtext import LogLine, iter_lines, open_log
+from corral.diagnose.lost import lost_node
 from corral.diagnose.matcher import Diagnosis, MatchedLine, Matcher
 from corral.diagnose.pyexc import Frame, PyException, basename, last_exception
 from corral.diagnose.rules import Rule, load_rules
+from corral.diagnose.signs import failure_lines_in_file
 from corral.errors import UsageError
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.log$")
@@ -134,11 +137,16 @@ class RunReport:
     #: For a single log file: the Python exception it ends with, if any
     #: (``FileNotFoundError: ... (train.py:9)``); a run directory has ``first_error``.
     exception: PyException | None = None
+    #: For a single log no rule explains: (line, text) of its first lines that look
+    #: like a failure; ``()`` means it shows none (a healthy log), None: not checked.
+    failure_lines: tuple[tuple[int, str], ...] | None = None
 
     @property
     def found(self) -> bool:
-        """Something names the failure: a rule, the first rank's exception, or a hang."""
-        return bool(self.diagnoses) or self.first_error is not None or self.hang is not None
+        """Something names the failure: a rule, the first rank's exception, or a hang
+        (a notice, such as NCCL falling back to sockets, is no failure)."""
+        return (any(not d.notice for d in self.diagnoses) or self.first_error is not None
+                or self.hang is not None)
 
 
 def diagnose_path(path: str | Path, facts: AllFacts | None = None,
@@ -156,14 +164,20 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
                          hint="give a log file, or a run directory such as runs/<run-id>")
     rules = load_rules() if rules is None else list(rules)
     if root.is_file():
-        diags = _scan(root, str(root), rules, None, None, facts)
-        try:
-            exc = last_exception(root)
-        except OSError:
-            exc = None
+        # The last traceback is read by a Python pass over the file while grep feeds the
+        # rules in another process: run side by side, the two passes cost the time of one.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            tail = pool.submit(last_exception, root)
+            diags = _scan(root, str(root), rules, None, None, facts)
+            try:
+                exc = tail.result()
+                unexplained = exc is None and all(d.notice for d in diags)
+                signs = failure_lines_in_file(root) if unexplained else None
+            except OSError:
+                exc, signs = None, None
         return RunReport(path=str(root), kind="file", files=(str(root),), failure=None,
                          facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags),
-                         exception=exc)
+                         exception=exc, failure_lines=signs)
     run_json = root / "run.json"
     record = _read_record(run_json) if run_json.is_file() else {}
     failure = _failure(record)
@@ -185,8 +199,13 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
     if record.get("status") == "interrupted":
         # Ctrl-C or SIGTERM stopped it: a peer "going away" is that stop.
         diags = [replace(d, consequence=True) if d.symptom else d for d in diags]
-        diags.sort(key=lambda d: d.consequence)
+        diags.sort(key=lambda d: (d.notice, d.consequence))
     diags = [_own_rendezvous(d, record) for d in diags]
+    if failure is not None and failure.kind == "lost" and failure.host:
+        # No rank failed: the node went silent, and what the others show is its teardown.
+        diags = [replace(d, consequence=True) if d.symptom else d for d in diags]
+        diags.sort(key=lambda d: (d.notice, d.consequence))
+        diags.insert(0, lost_node(failure.host, failure.reason, root, logs))
     first_error = _first_error(root, logs, per_file, failure)
     local = _file_on_some_nodes_only(root, logs, record, first_error)
     if local is not None and first_error is not None:
@@ -416,8 +435,7 @@ def _scan(file: Path, origin: str, rules: Sequence[Rule], host: str | None, rank
           facts: AllFacts | None) -> list[Diagnosis]:
     matcher = Matcher(rules, origin=origin, host=host, rank=rank)
     try:
-        with open_log(file) as stream:
-            matcher.feed_stream(stream)
+        matcher.feed_file(file)
     except OSError as err:
         raise UsageError(f"{file}: cannot read: {err.strerror}") from None
     return matcher.diagnoses(facts)
@@ -454,7 +472,7 @@ def _merge(per_file: list[list[Diagnosis]], failure: Failure | None,
         merged.append(replace(primary, confidence=max(d.confidence for d in ds),
                               lines=tuple(lines), hosts=tuple(hosts), ranks=tuple(ranks),
                               consequence=consequence))
-    merged.sort(key=lambda d: (d.consequence, not _at_failure(d, failure), -d.confidence,
+    merged.sort(key=lambda d: (d.notice, d.consequence, not _at_failure(d, failure), -d.confidence,
                                order.get(d.rule_id, 0)))
     return merged
 
