@@ -314,7 +314,7 @@ def test_a_login_shell_that_prints_is_named_not_blamed_on_the_disk() -> None:
     assert "free space" not in err.hint
     full = failure(Host(name="gpu2"), 11, "rsync: write failed on \"/srv/x\": No space left on device (28)\n"
                                            "rsync error: error in file IO (code 11) at receiver.c(381)")
-    assert full.hint == "the node's disk is full"
+    assert "is full" in full.hint and "df -h` on gpu2" in full.hint
     ro = failure(Host(name="gpu2"), 23, 'rsync: [receiver] mkstemp "/srv/proj/.t.py.LItuTM" failed: '
                                          "Read-only file system (30)\n")
     assert "read-only file system there" in ro.hint and "dmesg" in ro.hint
@@ -342,12 +342,15 @@ def test_a_node_lost_in_the_middle_of_a_sync_is_named_as_lost(said: str) -> None
 
 
 def _tree(root: Path) -> dict[str, list]:
-    """An independent description: relative path -> [kind, mode, sha256 or link target]."""
+    """An independent description: relative path -> [kind, mode, sha256 or link target]
+    (without the marker a first sync writes into its destination)."""
     out = {}
     for dirpath, dirs, files in os.walk(root):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
             p = Path(dirpath) / name
             rel = str(p.relative_to(root))
+            if rel == nodetree.MARKER:
+                continue
             if p.is_symlink():
                 out[rel] = ["l", os.readlink(p)]
             else:
@@ -375,6 +378,7 @@ def test_local_sync_to_another_directory(tmp_path: Path) -> None:
     assert report["ok"] and report["mode"] == "star"
     want = {k: v for k, v in _tree(root).items() if k in EXPECTED}
     assert _tree(dest) == want
+    assert (dest / nodetree.MARKER).is_file()  # a new destination: marked for later --delete runs
 
 
 # ---------------------------------------------------------------------------
@@ -388,6 +392,8 @@ for dirpath, dirs, files in os.walk(root):
     for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
         p = os.path.join(dirpath, name)
         rel = os.path.relpath(p, root)
+        if rel == ".corral-sync":  # the destination's marker
+            continue
         if os.path.islink(p):
             out[rel] = ["l", os.readlink(p)]
         else:

@@ -17,13 +17,21 @@ the head, so both sides describe a tree with the same code:
 The node-side calls: ``status`` (what differs from the head's manifest, and
 with ``scope`` what is extra), ``delete``, ``probe`` (can this node log in to
 the next one) and ``receive`` (one hop of the streaming chain).
+
+Nothing below the destination root is ever written or deleted through a
+symbolic link: ``status`` refuses a destination whose synced directories are
+links (for rsync and the chain alike), and ``receive``/``delete`` walk
+directories one ``openat(O_NOFOLLOW)`` at a time, so a link that appears
+later is refused too.  The root itself may be a link: the user named it.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -48,6 +56,14 @@ PRUNE = (
     ".ipynb_checkpoints",
 )
 MARK = "@@corral-result@@"
+#: Written into a destination on its first sync: ``--delete`` refuses a
+#: non-empty directory without it (a home, /srv, someone's checkout).
+MARKER = ".corral-sync"
+MARKER_TEXT = (
+    "This directory is a destination of `corral sync`.\n"
+    "`corral sync --delete` removes files here that are not in the synced tree;\n"
+    "it refuses a non-empty directory without this file (unless --force-delete).\n"
+)
 PROGRESS = "@@prog "
 HOP = "@@hop "
 
@@ -146,14 +162,154 @@ def manifest(root: str, paths: list, use_cache: bool = True, save: bool = True) 
 
 
 # ---------------------------------------------------------------------------
-# node-side calls
+# the destination: no links below its root, guarded deletes
+
+
+class DestinationError(Exception):
+    """The destination cannot be used; the message is for the user as is."""
+
+    def __init__(self, message: str, kind: str = "destination"):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _parts(rel: str):
+    """``rel`` split into names, or None unless it is a plain relative path
+    (no ``..``, ``.``, empty or absolute part: nothing that leaves the root)."""
+    parts = rel.split("/")
+    if not rel or any(p in ("", ".", "..") for p in parts):
+        return None
+    return parts
+
+
+def _link_error(root: str, parts: list) -> DestinationError:
+    where = os.path.join(root, *parts)
+    try:
+        target = os.readlink(where)
+    except OSError:
+        target = "?"
+    return DestinationError(
+        "%s is a symbolic link to %s: corral never writes or deletes through a link inside the "
+        "destination (the sync would land in %s)" % (where, target, target), "dest-link")
+
+
+def _open_dir(root: str, parts: list, create: bool = False) -> int:
+    """A descriptor of ``root/parts...``, opened one component at a time with
+    O_NOFOLLOW (made first with ``create``): a link anywhere below the root
+    raises ``DestinationError`` instead of being followed."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    fd = os.open(root, flags)  # the root itself: the user named it, links and all
+    try:
+        for i, name in enumerate(parts):
+            if create:
+                try:
+                    os.mkdir(name, 0o777, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            try:
+                nfd = os.open(name, flags | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
+                        os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise _link_error(root, parts[: i + 1]) from None
+                raise
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def linked_dirs(root: str, paths: list) -> list:
+    """Directories (relative) that the synced ``paths`` pass through and that
+    are symbolic links on this node: rsync would replace them, the chain
+    would write through them; corral refuses them, naming each."""
+    seen, found = {}, []
+    for rel in paths:
+        parts = rel.split("/")[:-1]
+        for i in range(len(parts)):
+            sub = "/".join(parts[: i + 1])
+            if sub not in seen:
+                try:
+                    seen[sub] = stat.S_ISLNK(os.lstat(os.path.join(root, sub)).st_mode)
+                except OSError:
+                    seen[sub] = None  # missing: nothing deeper exists either
+                if seen[sub]:
+                    found.append(sub)
+            if seen[sub] is not False:
+                break
+    return found
+
+
+def _homes() -> list:
+    """This node's home directories: the login user's, and every account's."""
+    homes = {os.path.realpath(os.path.expanduser("~"))}
+    try:
+        import pwd
+
+        homes.update(os.path.realpath(p.pw_dir) for p in pwd.getpwall() if p.pw_dir)
+    except (ImportError, KeyError, OSError):
+        pass
+    return sorted(homes)
+
+
+def danger(path: str, homes: list):
+    """Why ``--delete`` into ``path`` would be dangerous (None when it is not)."""
+    real = os.path.realpath(path)
+    if real == "/":
+        return "it is the root directory"
+    for home in homes:
+        if home == "/":
+            continue
+        if real == home:
+            return "it is a home directory" + ("" if path == home else " (%s)" % home)
+        if home.startswith(real.rstrip("/") + "/"):
+            return "it holds the home directory %s" % home
+    return None
+
+
+def guard(root: str, scope: list) -> list:
+    """Facts for the ``--delete`` guard, per directory it would prune: dangerous
+    (``/``, a home), marked as a corral destination, or empty."""
+    homes = _homes()
+    root_marked = os.path.isfile(os.path.join(root, MARKER))
+    out = []
+    for top in scope:
+        path = os.path.join(root, top) if top else root
+        try:
+            names = [n for n in os.listdir(path) if n != MARKER]
+        except OSError:
+            names = []
+        marked = root_marked or os.path.isfile(os.path.join(path, MARKER))
+        out.append({"dir": top, "path": path, "danger": danger(path, homes), "marked": marked,
+                    "empty": not names})
+    return out
+
+
+def _write_marker(root: str, top: str) -> None:
+    try:
+        fd = _open_dir(root, top.split("/") if top else [], create=True)
+    except (OSError, DestinationError):
+        return  # status names a link; rsync names the rest
+    try:
+        tmp = os.open(MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o644, dir_fd=fd)
+        try:
+            os.write(tmp, MARKER_TEXT.encode())
+        finally:
+            os.close(tmp)
+    except OSError:
+        pass  # a full or read-only disk: the transfer says so
+    finally:
+        os.close(fd)
 
 
 def _walk_extra(root: str, scope: list, expected: dict) -> list:
     extra = []
     for top in scope:
         start = os.path.join(root, top) if top else root
-        if not os.path.isdir(start) or os.path.islink(start):
+        if not os.path.isdir(start) or os.path.islink(start) or linked_dirs(root, [top + "/x"]):
             continue
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames[:] = [
@@ -170,15 +326,9 @@ def _walk_extra(root: str, scope: list, expected: dict) -> list:
             ]
             for name in list(filenames) + links:
                 rel = name if rel_dir == "." else rel_dir + "/" + name
-                if rel not in expected:
+                if rel not in expected and name != MARKER:
                     extra.append(rel)
     return sorted(set(extra))
-
-
-class DestinationError(Exception):
-    """The destination cannot be made; the message is for the user as is."""
-
-    kind = "destination"
 
 
 def _make_root(root: str) -> None:
@@ -193,20 +343,37 @@ def _make_root(root: str) -> None:
         raise DestinationError("%s exists and is not a directory: move it away, or choose "
                                "another destination (--to)" % root) from None
     except OSError as e:
-        raise DestinationError("cannot create %s: %s" % (root, e.strerror or e)) from None
+        kind = "dest-permission" if e.errno in (errno.EACCES, errno.EPERM) else "destination"
+        raise DestinationError("cannot create %s: %s" % (root, e.strerror or e), kind) from None
 
 
-def status(units: list, dry_run: bool = False) -> list:
-    """For each unit ``{"root", "paths": [...], "scope": [dirs] | None}``: the
-    node's entries for those paths (the head compares them with its own),
-    its tree hash and, with a scope, the files it has that are not listed.
-    Creates the root (outside dry runs) so rsync has somewhere to write."""
+def status(units: list, dry_run: bool = False, mark_all: bool = False) -> list:
+    """For each unit ``{"root", "paths": [...], "scope": [dirs] | None, "marks": [dirs]}``:
+    the node's entries for those paths (the head compares them with its own),
+    its tree hash, with a scope the files it has that are not listed, and the
+    ``--delete`` guard's facts about the ``marks`` directories.
+
+    Outside dry runs it creates the root (so rsync has somewhere to write) and
+    marks each ``marks`` directory that is new or empty (every one that is not
+    dangerous with ``mark_all``: the user said --force-delete).  A synced
+    directory that is a link here is refused before anything is written."""
     out = []
     for unit in units:
         root, paths = os.path.expanduser(unit["root"]), unit["paths"]  # `~/proj`: this node's home
+        marks = unit.get("marks") or []
         exists = os.path.isdir(root)
         if not exists and not dry_run:
             _make_root(root)
+        linked = linked_dirs(root, list(paths) + [m + "/x" for m in marks if m]) if exists else []
+        if linked:
+            more = " (and %d more)" % (len(linked) - 1) if len(linked) > 1 else ""
+            err = _link_error(root, linked[0].split("/"))
+            raise DestinationError(str(err) + more, err.kind)
+        facts = guard(root, marks)
+        if not dry_run:
+            for f in facts:
+                if not f["danger"] and not f["marked"] and (f["empty"] or mark_all):
+                    _write_marker(root, f["dir"])
         if exists:
             got = manifest(root, paths, save=not dry_run)
         else:
@@ -217,7 +384,7 @@ def status(units: list, dry_run: bool = False) -> list:
             else []
         )
         out.append({"root": unit["root"], "path": root, "hash": got["hash"], "entries": got["entries"],
-                    "extra": extra})
+                    "extra": extra, "guard": facts})
     return out
 
 
@@ -237,38 +404,57 @@ def differ(want: dict, have: dict) -> dict:
     return out
 
 
-def remember(root: str, rel: str, digest: str) -> None:
+def remember(root: str, rel: str, digest: str, st=None) -> None:
     """Record the digest of a file this process just wrote and checked, so the
     verification that follows needs a stat, not another read of the file."""
-    full = os.path.join(root, rel)
-    st = os.lstat(full)
+    if st is None:
+        st = os.lstat(os.path.join(root, rel))
     cache = load_cache(root)
     cache[rel] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, digest]
     save_cache(root, cache)
 
 
+def _in_dir(root: str, rel: str, fn) -> bool:
+    """``fn(name, dir_fd)`` for ``root/rel`` reached without following a link;
+    False (nothing done) when ``rel`` leaves the root or passes through a link
+    or a missing directory."""
+    parts = _parts(rel)
+    if parts is None:
+        return False
+    try:
+        fd = _open_dir(root, parts[:-1])
+    except (OSError, DestinationError):
+        return False
+    try:
+        fn(parts[-1], fd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def delete(root: str, paths: list) -> int:
-    """Remove ``paths`` (relative to ``root``), then directories they leave empty."""
+    """Remove ``paths`` (relative to ``root``), then directories they leave empty.
+
+    Each path is reached one directory at a time without following links, so
+    ``../proj-other/file`` or ``escape/x`` through a linked directory is never
+    touched (a prefix test on path strings let ``/x/proj-other`` pass for
+    ``/x/proj``)."""
     count = 0
     dirs = set()
     root = os.path.expanduser(root)
-    real_root = os.path.realpath(root)
     for rel in paths:
-        full = os.path.join(root, rel)
-        if not os.path.realpath(os.path.dirname(full)).startswith(real_root):
-            continue  # never outside the synced tree, even through a symlinked dir
-        try:
-            os.unlink(full)
-            count += 1
-        except FileNotFoundError:
+        if not _in_dir(root, rel, lambda name, fd: os.unlink(name, dir_fd=fd)):
             continue
+        count += 1
         parent = os.path.dirname(rel)
         while parent:
             dirs.add(parent)
             parent = os.path.dirname(parent)
     for rel in sorted(dirs, key=lambda d: -d.count("/")):
         try:
-            os.rmdir(os.path.join(root, rel))
+            _in_dir(root, rel, lambda name, fd: os.rmdir(name, dir_fd=fd))
         except OSError:
             pass  # not empty: something else lives there
     return count
@@ -327,6 +513,51 @@ def _forward(child, lock: threading.Lock, results: list) -> None:
             _emit(lock, line)
 
 
+def _os_error(e: OSError, path: str):
+    """(kind, message) for a failure to write ``path`` on this node."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        why = "the disk is full" if e.errno == errno.ENOSPC else "the disk quota is exceeded"
+        return "nospace", "%s: cannot write %s (%s)" % (why, path, e.strerror)
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "dest-permission", "permission denied: cannot write %s" % path
+    if e.errno == errno.EROFS:
+        return "readonly", "read-only file system: cannot write %s" % path
+    return "io", "cannot write %s: %s" % (path, e.strerror or e)
+
+
+def _create_tmp(dfd: int, base: str):
+    """A new private temporary file next to ``base`` (never an existing one, never a link)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        name = ".%s.corral-%d-%s" % (base[:200], os.getpid(), os.urandom(4).hex())
+        try:
+            return name, os.open(name, flags, 0o600, dir_fd=dfd)
+        except FileExistsError:
+            continue
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _stopped(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through receive's cleanup
+
+
+def _on_stop(handler):
+    """Install ``handler`` (one, or a dict saved before) for SIGTERM and SIGHUP;
+    the handlers it replaced (none off the main thread)."""
+    saved = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            saved[sig] = signal.signal(sig, handler[sig] if isinstance(handler, dict) else handler)
+        except (ValueError, KeyError):
+            pass
+    return saved
+
+
 def receive(
     stream,
     name: str,
@@ -339,28 +570,50 @@ def receive(
     chain: list = (),
 ) -> dict:
     """Write ``size`` bytes from ``stream`` to ``root/rel`` while forwarding them
-    to the next hop of ``chain``; verify the sha256; rename into place."""
+    to the next hop of ``chain``; verify the sha256; rename into place.
+
+    The file's directory is reached without following links (a link there
+    fails this hop, naming it).  When writing here fails (a full disk), the
+    partial file is removed at once and the bytes still go on to the next
+    hop; on every other failure, a signal included, it is removed too."""
+    saved = _on_stop(_stopped)
     lock = threading.Lock()
     root = os.path.expanduser(root)  # the chain passes `~/proj` on: each node's own home
     path = os.path.join(root, rel)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.corral-{os.getpid()}")
+    parts = _parts(rel)
     child, fwd, downstream, child_err = None, None, [], None
-    if chain:
+    dfd = fd = tmp = None
+    err = None  # (kind, message) once this node cannot write: it still forwards
+    try:
+        if chain:
+            try:
+                child = _start_next(chain[0], list(chain[1:]))
+                fwd = threading.Thread(target=_forward, args=(child, lock, downstream), daemon=True)
+                fwd.start()
+            except OSError as e:
+                child_err = "cannot start ssh to {}: {}".format(chain[0]["name"], e)
         try:
-            child = _start_next(chain[0], list(chain[1:]))
-            fwd = threading.Thread(target=_forward, args=(child, lock, downstream), daemon=True)
-            fwd.start()
+            if parts is None:
+                raise DestinationError("%r is not a relative path inside %s" % (rel, root), "dest-path")
+            dfd = _open_dir(root, parts[:-1], create=True)
+            tmp, fd = _create_tmp(dfd, parts[-1])
+        except DestinationError as e:
+            err = (e.kind, str(e))
         except OSError as e:
-            child_err = "cannot start ssh to {}: {}".format(chain[0]["name"], e)
-    h = hashlib.sha256()
-    done, last = 0, 0.0
-    with open(tmp, "wb") as out:
+            err = _os_error(e, path)
+        h = hashlib.sha256()
+        done, last = 0, 0.0
         while done < size:
             chunk = stream.read(min(CHUNK, size - done))
             if not chunk:
                 break
-            out.write(chunk)
+            if err is None:
+                try:
+                    _write_all(fd, chunk)
+                except OSError as e:
+                    err = _os_error(e, path)
+                    _discard(dfd, tmp, fd)  # give the space back now, not after the stream
+                    tmp = fd = None
             h.update(chunk)
             done += len(chunk)
             if child is not None and child_err is None:
@@ -372,32 +625,76 @@ def receive(
             if now - last > 0.25:
                 last = now
                 _emit(lock, f"{PROGRESS}{name} {done}")
-    _emit(lock, f"{PROGRESS}{name} {done}")
-    if child is not None:
+        _emit(lock, f"{PROGRESS}{name} {done}")
+        if child is not None:
+            child_err = _finish_next(child, fwd, downstream, chain[0]["name"], child_err)
+        result = {"node": name, "bytes": done, "ok": False, "next_error": child_err}
+        if err is not None:
+            result["kind"], result["error"] = err
+        elif done != size:
+            result["error"] = f"stream ended after {done} of {size} bytes"
+        elif h.hexdigest() != digest:
+            result["error"] = "sha256 mismatch after transfer"
+        else:
+            try:
+                os.fchmod(fd, mode)
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
+                os.close(fd)  # a network file system may say "full" only now
+                fd = None
+                os.replace(tmp, parts[-1], src_dir_fd=dfd, dst_dir_fd=dfd)
+                tmp = None
+                remember(root, rel, digest, os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False))
+                result["ok"] = True
+            except OSError as e:
+                result["kind"], result["error"] = _os_error(e, path)
+        return result
+    finally:
+        _discard(dfd, tmp, fd)
+        if dfd is not None:
+            os.close(dfd)
+        if child is not None and child.poll() is None:
+            _stop_next(child)
+        _on_stop(saved)
+
+
+def _discard(dfd, tmp, fd) -> None:
+    """Close and remove a partial file (nothing half-written stays behind)."""
+    if fd is not None:
         try:
-            child.stdin.close()
+            os.close(fd)
         except OSError:
             pass
+    if tmp is not None:
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
+
+
+def _finish_next(child, fwd, downstream: list, name: str, child_err):
+    """Close the next hop's input and wait for its result; why it failed, if it did."""
+    try:
+        child.stdin.close()
+    except OSError:
+        pass
+    child.wait()
+    if fwd is not None:
+        fwd.join(10)
+    if not downstream:
+        err = child.stderr.read().decode(errors="replace").strip().splitlines()
+        if err or child_err is None:
+            child_err = "{}: {}".format(name, err[-1] if err else f"exit {child.returncode}")
+    return child_err
+
+
+def _stop_next(child) -> None:
+    """This hop failed: the next one sees its input end (and cleans up), or is killed."""
+    try:
+        child.stdin.close()
+    except OSError:
+        pass
+    try:
+        child.wait(10)
+    except subprocess.TimeoutExpired:
+        child.kill()
         child.wait()
-        if fwd is not None:
-            fwd.join(10)
-        if not downstream:
-            err = child.stderr.read().decode(errors="replace").strip().splitlines()
-            if err or child_err is None:
-                child_err = "{}: {}".format(
-                    chain[0]["name"], err[-1] if err else f"exit {child.returncode}"
-                )
-    result = {"node": name, "bytes": done, "ok": False, "next_error": child_err}
-    if done != size:
-        result["error"] = f"stream ended after {done} of {size} bytes"
-    elif h.hexdigest() != digest:
-        result["error"] = "sha256 mismatch after transfer"
-    else:
-        os.chmod(tmp, mode)
-        os.utime(tmp, ns=(mtime_ns, mtime_ns))
-        os.replace(tmp, path)
-        remember(root, rel, digest)
-        result["ok"] = True
-    if not result["ok"] and os.path.exists(tmp):
-        os.unlink(tmp)
-    return result

@@ -33,7 +33,7 @@ from typing import Any
 from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.sshsetup.remote import MARK, call_node, payload, remote_command, ssh_argv
-from corral.sync import nodetree
+from corral.sync import nodetree, procs
 from corral.transport.ssh import command_line
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ class HopResult:
     error: str | None = None
     #: Why this hop could not pass the data on (the next hop then failed too).
     next_error: str | None = None
+    #: The node's name for the failure ("nospace", "dest-link", ...; "" when unnamed).
+    kind: str = ""
 
 
 async def stream(
@@ -177,8 +179,12 @@ async def stream(
                 )
                 _record(results, json.loads(body))
 
-    _, _, err = await asyncio.gather(feed(), read(), proc.stderr.read())
-    await proc.wait()
+    try:
+        _, _, err = await asyncio.gather(feed(), read(), proc.stderr.read())
+        await proc.wait()
+    except BaseException:  # stopped: the first hop sees its input end and cleans up
+        await procs.reap(proc)
+        raise
     for h in chain:
         if h.name not in results:
             why = err.decode(errors="replace").strip().splitlines()
@@ -199,6 +205,7 @@ def _record(results: dict[str, HopResult], raw: dict[str, Any]) -> None:
         ok=bool(value.get("ok")),
         error=value.get("error"),
         next_error=value.get("next_error"),
+        kind=str(value.get("kind") or ""),
     )
 
 
