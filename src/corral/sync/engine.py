@@ -312,7 +312,8 @@ class Syncer:
             for u in units
         ]
         args = {"units": payload, "dry_run": dry_run,
-                "mark_all": self.options.delete and self.options.force_delete}
+                "mark_all": self.options.delete and self.options.force_delete,
+                "guarded": self.options.delete and not self.options.force_delete}
         values, problems = await gather_hosts(hosts, lambda host: self.call(host, "status", args))
         if problems:
             raise PreflightError([hinted(p) for p in problems], what="sync")
@@ -329,14 +330,14 @@ class Syncer:
         for h in hosts:
             for st in before[h.name]:
                 for g in st.get("guard") or []:
+                    if not nodetree.refused(g):
+                        continue
                     if g["danger"]:
                         why = (f"{g['danger']}: it would remove every file there that is not in the "
                                "synced tree")
-                    elif not g["marked"] and not g["empty"]:
+                    else:
                         why = (f"it is not empty and corral has not synced to it before (no "
                                f"{nodetree.MARKER} file there)")
-                    else:
-                        continue
                     problems.append(HostError(
                         h.name, f"refusing --delete in {g['path']}: {why}",
                         hint="check --to (or the cluster file's workdir); if that directory really "

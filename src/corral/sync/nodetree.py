@@ -347,11 +347,18 @@ def _make_root(root: str) -> None:
         raise DestinationError("cannot create %s: %s" % (root, e.strerror or e), kind) from None
 
 
-def status(units: list, dry_run: bool = False, mark_all: bool = False) -> list:
+def refused(fact: dict) -> bool:
+    """Whether the ``--delete`` guard refuses the directory ``fact`` describes."""
+    return bool(fact["danger"]) or not (fact["marked"] or fact["empty"])
+
+
+def status(units: list, dry_run: bool = False, mark_all: bool = False, guarded: bool = False) -> list:
     """For each unit ``{"root", "paths": [...], "scope": [dirs] | None, "marks": [dirs]}``:
     the node's entries for those paths (the head compares them with its own),
     its tree hash, with a scope the files it has that are not listed, and the
-    ``--delete`` guard's facts about the ``marks`` directories.
+    ``--delete`` guard's facts about the ``marks`` directories (``guarded``: a
+    directory the guard refuses is not walked -- ``--to / --delete`` would
+    walk the whole disk only to be refused).
 
     Outside dry runs it creates the root (so rsync has somewhere to write) and
     marks each ``marks`` directory that is new or empty (every one that is not
@@ -378,11 +385,10 @@ def status(units: list, dry_run: bool = False, mark_all: bool = False) -> list:
             got = manifest(root, paths, save=not dry_run)
         else:
             got = {"entries": {}, "missing": list(paths), "hash": tree_hash({})}
-        extra = (
-            _walk_extra(root, unit["scope"], set(paths))
-            if unit.get("scope") is not None and exists
-            else []
-        )
+        walk = unit.get("scope") is not None and exists
+        if walk and guarded and any(refused(f) for f in facts):
+            walk = False  # the head refuses this --delete anyway
+        extra = _walk_extra(root, unit["scope"], set(paths)) if walk else []
         out.append({"root": unit["root"], "path": root, "hash": got["hash"], "entries": got["entries"],
                     "extra": extra, "guard": facts})
     return out
