@@ -318,7 +318,8 @@ def test_a_login_shell_that_prints_is_named_not_blamed_on_the_disk() -> None:
     assert "free space" not in err.hint
     full = failure(Host(name="gpu2"), 11, "rsync: write failed on \"/srv/x\": No space left on device (28)\n"
                                            "rsync error: error in file IO (code 11) at receiver.c(381)")
-    assert "is full" in full.hint and "df -h` on gpu2" in full.hint
+    assert full.message == 'gpu2: the disk is full: cannot write /srv/x (No space left on device)'
+    assert "`df -h` there" in full.hint and full.kind == "nospace"
     ro = failure(Host(name="gpu2"), 23, 'rsync: [receiver] mkstemp "/srv/proj/.t.py.LItuTM" failed: '
                                          "Read-only file system (30)\n")
     assert "read-only file system there" in ro.hint and "dmesg" in ro.hint
@@ -842,11 +843,13 @@ def test_delete_into_the_nodes_home_is_refused(sandbox, tmp_path: Path) -> None:
 
 
 @pytest.mark.sandbox
+@pytest.mark.parametrize("how", ["chain", "rsync"])
 def test_a_full_disk_on_a_chain_hop_is_named_and_leaves_no_partial_file(
-    mesh_sandbox, tmp_path: Path
+    mesh_sandbox, tmp_path: Path, how: str
 ) -> None:
     # A full disk on a node left `.big.bin.corral-NNN` (100 MB) behind, the
-    # disk full, and an error that blamed a broken pipe.
+    # disk full, and an error that blamed a broken pipe (rsync's too: its
+    # sender's last line is "write error: Broken pipe").
     sb = mesh_sandbox
     first, full, last = sb.nodes
     root = make_project(tmp_path / "proj", big=40 * MiB)
@@ -854,12 +857,13 @@ def test_a_full_disk_on_a_chain_hop_is_named_and_leaves_no_partial_file(
         _sh(sb, node, "mkdir -p /srv/full")
     _sh(sb, full, "mount -t tmpfs -o size=20m tmpfs /srv/full")
     try:
-        res = corral_sync(root, sb.cluster_file, "--to", "/srv/full/proj", "--pipeline-min", "4M")
+        res = corral_sync(root, sb.cluster_file, "--to", "/srv/full/proj", "--pipeline-min", "4M",
+                          *(["--no-pipeline"] if how == "rsync" else []))
         assert res.returncode != 0
         assert f"{full}: the disk is full: cannot write /srv/full/proj/ckpt/big.bin" in res.stderr
-        assert f"df -h` there" in res.stderr and "Broken pipe" not in res.stderr
-        assert _sh(sb, full, "find /srv/full -name '.*.corral-*'") == ""
-        # The full node still passed the file on: the others have it.
+        assert "df -h` there" in res.stderr and "Broken pipe" not in res.stderr
+        assert _sh(sb, full, "find /srv/full -name '.big.bin*'") == ""
+        # The full node (a hop passes the file on all the same) is the only one that failed.
         want = _expected(root, {"ckpt/big.bin"})
         for node in (first, last):
             assert {k: v for k, v in node_tree(sb, node, Path("/srv/full/proj")).items()

@@ -133,11 +133,11 @@ class SyncReport:
 #: What to do about the node's names for a destination it cannot use
 #: (``nodetree``'s error kinds).
 _HINTS = {
-    "dest-permission": "the login user on {host} cannot write there: pick a destination it can "
-                       "write (--to ~/proj), or have the directory made with that user as its owner "
-                       "(`sudo install -d -o USER DIR` on {host})",
-    "dest-link": "remove the link on {host} (`rm LINK` removes the link, not what it points to) and "
-                 "sync again, or sync into the link's target directly (--to)",
+    "dest-permission": "the login user cannot write there: pick a destination it can write "
+                       "(--to ~/proj), or have the directory made there with that user as its "
+                       "owner (`sudo install -d -o USER DIR`)",
+    "dest-link": "remove the link on the node (`rm LINK` removes the link, not what it points to) "
+                 "and sync again, or sync into the link's target directly (--to)",
     "nospace": "free space on {host} (`df -h` there), or sync to another disk (--to); the partial "
                "file was removed",
     "readonly": "the destination on {host} is on a read-only file system (a read-only mount, or one "

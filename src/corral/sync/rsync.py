@@ -167,6 +167,17 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
             hint=quiet_login_hint(host.name),
             kind="rsync",
         )
+    full = re.search(r'write failed on "([^"]+)": (No space left on device|Disk quota exceeded)', text)
+    if full:
+        # The receiver's own line: the sender's last word is a "Broken pipe".
+        why = "the disk is full" if full.group(2).startswith("No space") else "the disk quota is exceeded"
+        return HostError(
+            host.name,
+            f"{why}: cannot write {full.group(1)} ({full.group(2)})",
+            hint=f"free space on {host.name} (`df -h` there), or sync to another disk (--to); rsync "
+                 "removed its partial file",
+            kind="nospace",
+        )
     lines = [
         l for l in text.splitlines() if l.strip() and not l.startswith("rsync error: some files")
     ]
@@ -175,8 +186,7 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
     if "Permission denied" in text:
         hint = "the login user cannot write there: pick a writable --to, or fix ownership"
     elif "No space left" in text or "Disk quota exceeded" in text:
-        hint = (f"the disk of the destination on {host.name} is full: free space there (`df -h` on "
-                f"{host.name}), or sync to another disk (--to); rsync removed its partial file")
+        hint = f"the disk there is full: free space on {host.name} (`df -h` there), or sync to another disk (--to)"
     elif "Read-only file system" in text:
         hint = ("the destination is on a read-only file system there (a read-only mount, or one the "
                 "kernel remounted read-only after disk errors: `dmesg` on it); pick a writable --to")
