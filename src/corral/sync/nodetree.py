@@ -269,6 +269,17 @@ def danger(path: str, homes: list):
     return None
 
 
+def _empty(path: str) -> bool:
+    """Nothing in ``path`` but (perhaps) the marker; True when it does not exist."""
+    try:
+        with os.scandir(path) as it:
+            return all(e.name == MARKER for e in it)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False  # unreadable: not known to be empty
+
+
 def guard(root: str, scope: list) -> list:
     """Facts for the ``--delete`` guard, per directory it would prune: dangerous
     (``/``, a home), marked as a corral destination, or empty."""
@@ -277,13 +288,9 @@ def guard(root: str, scope: list) -> list:
     out = []
     for top in scope:
         path = os.path.join(root, top) if top else root
-        try:
-            names = [n for n in os.listdir(path) if n != MARKER]
-        except OSError:
-            names = []
         marked = root_marked or os.path.isfile(os.path.join(path, MARKER))
         out.append({"dir": top, "path": path, "danger": danger(path, homes), "marked": marked,
-                    "empty": not names})
+                    "empty": _empty(path)})
     return out
 
 
@@ -309,7 +316,7 @@ def _walk_extra(root: str, scope: list, expected: dict) -> list:
     extra = []
     for top in scope:
         start = os.path.join(root, top) if top else root
-        if not os.path.isdir(start) or os.path.islink(start) or linked_dirs(root, [top + "/x"]):
+        if not os.path.isdir(start) or os.path.islink(start) or (top and linked_dirs(root, [top + "/x"])):
             continue
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames[:] = [
