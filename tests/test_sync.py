@@ -897,44 +897,47 @@ def _descendants(pid: int) -> dict[int, str]:
 
 
 @pytest.mark.sandbox
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(("how", "sig"), [("rsync", signal.SIGINT), ("rsync", signal.SIGTERM),
+                                          ("chain", signal.SIGINT)])
 def test_a_stopped_sync_leaves_nothing_running_and_nothing_written(
-    sandbox, tmp_path: Path, sig: int
+    request: pytest.FixtureRequest, tmp_path: Path, how: str, sig: int
 ) -> None:
     # Ctrl-C during an rsync of a large file: corral exited 130 at once, its
     # rsync and ssh went on (reparented to init) and replaced the file on
     # every node 30 s later.
+    sb = request.getfixturevalue("sandbox" if how == "rsync" else "mesh_sandbox")
     root = make_project(tmp_path / "proj", big=24 * MiB)
-    dest = f"/srv/stopped-{sig}"
-    for node in sandbox.nodes:
-        sandbox.slow(node, "16mbit")  # 24 MiB: about 12 s a node
-    proc = subprocess.Popen([*CORRAL, "sync", "-c", str(sandbox.cluster_file), "--to", dest,
-                             "--no-pipeline"], cwd=root, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    dest = f"/srv/stopped-{how}-{sig}"
+    for node in sb.nodes:
+        sb.slow(node, "16mbit")  # 24 MiB: about 12 s a link
+    flags = ["--no-pipeline"] if how == "rsync" else ["--pipeline-min", "4M"]
+    proc = subprocess.Popen([*CORRAL, "sync", "-c", str(sb.cluster_file), "--to", dest, *flags],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: dict[int, str] = {}
+
+    def partial(node: str) -> str:
+        return _sh(sb, node, f"find {dest} -name '.big.bin*' -o -name big.bin 2>/dev/null || true")
+
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and "rsync" not in seen.values():
+        while time.monotonic() < deadline and proc.poll() is None and not partial(sb.nodes[0]):
             seen.update(_descendants(proc.pid))
-            time.sleep(0.1)
-        assert "rsync" in seen.values(), proc.communicate(timeout=60)
-        time.sleep(1.5)  # under way
+            time.sleep(0.2)
+        assert partial(sb.nodes[0]), proc.communicate(timeout=60)  # under way
+        time.sleep(1)
         seen.update(_descendants(proc.pid))
+        assert {"rsync" if how == "rsync" else "ssh"} <= set(seen.values())
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
         left = {p: n for p, n in seen.items() if pid_alive(p) and n in ("rsync", "ssh")}
         assert left == {}, f"still running after corral exited: {left}"
+        # The nodes notice their input end: no copy goes on, no partial file stays.
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            busy = [n for n in sandbox.nodes if sandbox.exec(n, ["pgrep", "-x", "rsync"]).returncode == 0]
-            if not busy:
-                break
+        while time.monotonic() < deadline and any(partial(n) for n in sb.nodes):
             time.sleep(0.5)
-        assert busy == [], "rsync still running on the nodes"
         time.sleep(2)
-        for node in sandbox.nodes:
-            assert _sh(sandbox, node, f"find {dest} -name '*big.bin*'") == "", node
+        assert {n: partial(n) for n in sb.nodes} == {n: "" for n in sb.nodes}
     finally:
         for p, n in seen.items():
             if n in ("rsync", "ssh") and pid_alive(p):
@@ -942,6 +945,6 @@ def test_a_stopped_sync_leaves_nothing_running_and_nothing_written(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for node in sandbox.nodes:
-            sandbox.slow(node, None)
-            sandbox.exec(node, ["rm", "-rf", dest])
+        for node in sb.nodes:
+            sb.slow(node, None)
+            sb.exec(node, ["rm", "-rf", dest])
