@@ -6,8 +6,8 @@ import asyncio
 import json
 import re
 import signal
-from dataclasses import replace
 from collections.abc import Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

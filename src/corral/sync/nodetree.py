@@ -283,6 +283,8 @@ def _empty(path: str) -> bool:
 def guard(root: str, scope: list) -> list:
     """Facts for the ``--delete`` guard, per directory it would prune: dangerous
     (``/``, a home), marked as a corral destination, or empty."""
+    if not scope:
+        return []
     homes = _homes()
     root_marked = os.path.isfile(os.path.join(root, MARKER))
     out = []
