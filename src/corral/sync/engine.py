@@ -35,7 +35,7 @@ from corral.sync.filelist import Unit
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(nodetree.__file__).read_text()
+_SOURCE = pipeline.SOURCE
 MiB = 1 << 20
 #: A node hashing terabytes for the first time takes long; a dead node is
 #: noticed by ssh's keepalives (seconds), not by this.

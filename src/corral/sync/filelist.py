@@ -46,7 +46,7 @@ DEFAULT_EXCLUDES = (
     ".ruff_cache/",
     ".ipynb_checkpoints/",
     ".DS_Store",
-    ".corral-sync",  # the marker of a sync destination (nodetree.MARKER): per machine
+    ".corral-sync",  # the marker of a sync destination (nodedest.MARKER): per machine
 )
 
 

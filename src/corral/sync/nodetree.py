@@ -18,16 +18,13 @@ The node-side calls: ``status`` (what differs from the head's manifest, and
 with ``scope`` what is extra), ``delete``, ``probe`` (can this node log in to
 the next one) and ``receive`` (one hop of the streaming chain).
 
-Nothing below the destination root is ever written or deleted through a
-symbolic link: ``status`` refuses a destination whose synced directories are
-links (for rsync and the chain alike), and ``receive``/``delete`` walk
-directories one ``openat(O_NOFOLLOW)`` at a time, so a link that appears
-later is refused too.  The root itself may be a link: the user named it.
+What may be written or deleted where (no links below the destination root,
+the ``--delete`` guard, temporary files) is ``nodedest``: a node runs its
+source just before this module's, in one namespace (``pipeline.SOURCE``).
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -56,16 +53,27 @@ PRUNE = (
     ".ipynb_checkpoints",
 )
 MARK = "@@corral-result@@"
-#: Written into a destination on its first sync: ``--delete`` refuses a
-#: non-empty directory without it (a home, /srv, someone's checkout).
-MARKER = ".corral-sync"
-MARKER_TEXT = (
-    "This directory is a destination of `corral sync`.\n"
-    "`corral sync --delete` removes files here that are not in the synced tree;\n"
-    "it refuses a non-empty directory without this file (unless --force-delete).\n"
-)
 PROGRESS = "@@prog "
 HOP = "@@hop "
+
+if "_CORRAL_HEADER" not in globals():  # on the head; on a node nodedest's source ran just before
+    from corral.sync.nodedest import (
+        MARKER,
+        DestinationError,
+        create_tmp,
+        discard,
+        guard,
+        in_dir,
+        link_error,
+        linked_dirs,
+        make_root,
+        open_dir,
+        refused,
+        rel_parts,
+        write_all,
+        write_error,
+        write_marker,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -161,159 +169,6 @@ def manifest(root: str, paths: list, use_cache: bool = True, save: bool = True) 
     return {"entries": entries, "missing": missing, "hash": tree_hash(entries)}
 
 
-# ---------------------------------------------------------------------------
-# the destination: no links below its root, guarded deletes
-
-
-class DestinationError(Exception):
-    """The destination cannot be used; the message is for the user as is."""
-
-    def __init__(self, message: str, kind: str = "destination"):
-        super().__init__(message)
-        self.kind = kind
-
-
-def _parts(rel: str):
-    """``rel`` split into names, or None unless it is a plain relative path
-    (no ``..``, ``.``, empty or absolute part: nothing that leaves the root)."""
-    parts = rel.split("/")
-    if not rel or any(p in ("", ".", "..") for p in parts):
-        return None
-    return parts
-
-
-def _link_error(root: str, parts: list) -> DestinationError:
-    where = os.path.join(root, *parts)
-    try:
-        target = os.readlink(where)
-    except OSError:
-        target = "?"
-    return DestinationError(
-        "%s is a symbolic link to %s: corral never writes or deletes through a link inside the "
-        "destination (the sync would land in %s)" % (where, target, target), "dest-link")
-
-
-def _open_dir(root: str, parts: list, create: bool = False) -> int:
-    """A descriptor of ``root/parts...``, opened one component at a time with
-    O_NOFOLLOW (made first with ``create``): a link anywhere below the root
-    raises ``DestinationError`` instead of being followed."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-    fd = os.open(root, flags)  # the root itself: the user named it, links and all
-    try:
-        for i, name in enumerate(parts):
-            if create:
-                try:
-                    os.mkdir(name, 0o777, dir_fd=fd)
-                except FileExistsError:
-                    pass
-            try:
-                nfd = os.open(name, flags | os.O_NOFOLLOW, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
-                        os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                    raise _link_error(root, parts[: i + 1]) from None
-                raise
-            os.close(fd)
-            fd = nfd
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def linked_dirs(root: str, paths: list) -> list:
-    """Directories (relative) that the synced ``paths`` pass through and that
-    are symbolic links on this node: rsync would replace them, the chain
-    would write through them; corral refuses them, naming each."""
-    seen, found = {}, []
-    for rel in paths:
-        parts = rel.split("/")[:-1]
-        for i in range(len(parts)):
-            sub = "/".join(parts[: i + 1])
-            if sub not in seen:
-                try:
-                    seen[sub] = stat.S_ISLNK(os.lstat(os.path.join(root, sub)).st_mode)
-                except OSError:
-                    seen[sub] = None  # missing: nothing deeper exists either
-                if seen[sub]:
-                    found.append(sub)
-            if seen[sub] is not False:
-                break
-    return found
-
-
-def _homes() -> list:
-    """This node's home directories: the login user's, and every account's."""
-    homes = {os.path.realpath(os.path.expanduser("~"))}
-    try:
-        import pwd
-
-        homes.update(os.path.realpath(p.pw_dir) for p in pwd.getpwall() if p.pw_dir)
-    except (ImportError, KeyError, OSError):
-        pass
-    return sorted(homes)
-
-
-def danger(path: str, homes: list):
-    """Why ``--delete`` into ``path`` would be dangerous (None when it is not)."""
-    real = os.path.realpath(path)
-    if real == "/":
-        return "it is the root directory"
-    for home in homes:
-        if home == "/":
-            continue
-        if real == home:
-            return "it is a home directory" + ("" if path == home else " (%s)" % home)
-        if home.startswith(real.rstrip("/") + "/"):
-            return "it holds the home directory %s" % home
-    return None
-
-
-def _empty(path: str) -> bool:
-    """Nothing in ``path`` but (perhaps) the marker; True when it does not exist."""
-    try:
-        with os.scandir(path) as it:
-            return all(e.name == MARKER for e in it)
-    except (FileNotFoundError, NotADirectoryError):
-        return True
-    except OSError:
-        return False  # unreadable: not known to be empty
-
-
-def guard(root: str, scope: list) -> list:
-    """Facts for the ``--delete`` guard, per directory it would prune: dangerous
-    (``/``, a home), marked as a corral destination, or empty."""
-    if not scope:
-        return []
-    homes = _homes()
-    root_marked = os.path.isfile(os.path.join(root, MARKER))
-    out = []
-    for top in scope:
-        path = os.path.join(root, top) if top else root
-        marked = root_marked or os.path.isfile(os.path.join(path, MARKER))
-        out.append({"dir": top, "path": path, "danger": danger(path, homes), "marked": marked,
-                    "empty": _empty(path)})
-    return out
-
-
-def _write_marker(root: str, top: str) -> None:
-    try:
-        fd = _open_dir(root, top.split("/") if top else [], create=True)
-    except (OSError, DestinationError):
-        return  # status names a link; rsync names the rest
-    try:
-        tmp = os.open(MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      0o644, dir_fd=fd)
-        try:
-            os.write(tmp, MARKER_TEXT.encode())
-        finally:
-            os.close(tmp)
-    except OSError:
-        pass  # a full or read-only disk: the transfer says so
-    finally:
-        os.close(fd)
-
-
 def _walk_extra(root: str, scope: list, expected: dict) -> list:
     extra = []
     for top in scope:
@@ -340,27 +195,6 @@ def _walk_extra(root: str, scope: list, expected: dict) -> list:
     return sorted(set(extra))
 
 
-def _make_root(root: str) -> None:
-    try:
-        os.makedirs(root, exist_ok=True)
-    except FileExistsError:
-        # Not a directory, though something is there: a link to nowhere, or a file.
-        if os.path.islink(root):
-            raise DestinationError(
-                "%s is a symbolic link to %s, which does not exist: create that directory, or "
-                "remove the link (then sync again)" % (root, os.readlink(root))) from None
-        raise DestinationError("%s exists and is not a directory: move it away, or choose "
-                               "another destination (--to)" % root) from None
-    except OSError as e:
-        kind = "dest-permission" if e.errno in (errno.EACCES, errno.EPERM) else "destination"
-        raise DestinationError("cannot create %s: %s" % (root, e.strerror or e), kind) from None
-
-
-def refused(fact: dict) -> bool:
-    """Whether the ``--delete`` guard refuses the directory ``fact`` describes."""
-    return bool(fact["danger"]) or not (fact["marked"] or fact["empty"])
-
-
 def status(units: list, dry_run: bool = False, mark_all: bool = False, guarded: bool = False) -> list:
     """For each unit ``{"root", "paths": [...], "scope": [dirs] | None, "marks": [dirs]}``:
     the node's entries for those paths (the head compares them with its own),
@@ -379,17 +213,17 @@ def status(units: list, dry_run: bool = False, mark_all: bool = False, guarded: 
         marks = unit.get("marks") or []
         exists = os.path.isdir(root)
         if not exists and not dry_run:
-            _make_root(root)
+            make_root(root)
         linked = linked_dirs(root, list(paths) + [m + "/x" for m in marks if m]) if exists else []
         if linked:
             more = " (and %d more)" % (len(linked) - 1) if len(linked) > 1 else ""
-            err = _link_error(root, linked[0].split("/"))
+            err = link_error(root, linked[0].split("/"))
             raise DestinationError(str(err) + more, err.kind)
         facts = guard(root, marks)
         if not dry_run:
             for f in facts:
                 if not f["danger"] and not f["marked"] and (f["empty"] or mark_all):
-                    _write_marker(root, f["dir"])
+                    write_marker(root, f["dir"])
         if exists:
             got = manifest(root, paths, save=not dry_run)
         else:
@@ -429,26 +263,6 @@ def remember(root: str, rel: str, digest: str, st=None) -> None:
     save_cache(root, cache)
 
 
-def _in_dir(root: str, rel: str, fn) -> bool:
-    """``fn(name, dir_fd)`` for ``root/rel`` reached without following a link;
-    False (nothing done) when ``rel`` leaves the root or passes through a link
-    or a missing directory."""
-    parts = _parts(rel)
-    if parts is None:
-        return False
-    try:
-        fd = _open_dir(root, parts[:-1])
-    except (OSError, DestinationError):
-        return False
-    try:
-        fn(parts[-1], fd)
-        return True
-    except FileNotFoundError:
-        return False
-    finally:
-        os.close(fd)
-
-
 def delete(root: str, paths: list) -> int:
     """Remove ``paths`` (relative to ``root``), then directories they leave empty.
 
@@ -460,7 +274,7 @@ def delete(root: str, paths: list) -> int:
     dirs = set()
     root = os.path.expanduser(root)
     for rel in paths:
-        if not _in_dir(root, rel, lambda name, fd: os.unlink(name, dir_fd=fd)):
+        if not in_dir(root, rel, lambda name, fd: os.unlink(name, dir_fd=fd)):
             continue
         count += 1
         parent = os.path.dirname(rel)
@@ -469,7 +283,7 @@ def delete(root: str, paths: list) -> int:
             parent = os.path.dirname(parent)
     for rel in sorted(dirs, key=lambda d: -d.count("/")):
         try:
-            _in_dir(root, rel, lambda name, fd: os.rmdir(name, dir_fd=fd))
+            in_dir(root, rel, lambda name, fd: os.rmdir(name, dir_fd=fd))
         except OSError:
             pass  # not empty: something else lives there
     return count
@@ -528,35 +342,6 @@ def _forward(child, lock: threading.Lock, results: list) -> None:
             _emit(lock, line)
 
 
-def _os_error(e: OSError, path: str):
-    """(kind, message) for a failure to write ``path`` on this node."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        why = "the disk is full" if e.errno == errno.ENOSPC else "the disk quota is exceeded"
-        return "nospace", "%s: cannot write %s (%s)" % (why, path, e.strerror)
-    if e.errno in (errno.EACCES, errno.EPERM):
-        return "dest-permission", "permission denied: cannot write %s" % path
-    if e.errno == errno.EROFS:
-        return "readonly", "read-only file system: cannot write %s" % path
-    return "io", "cannot write %s: %s" % (path, e.strerror or e)
-
-
-def _create_tmp(dfd: int, base: str):
-    """A new private temporary file next to ``base`` (never an existing one, never a link)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    while True:
-        name = ".%s.corral-%d-%s" % (base[:200], os.getpid(), os.urandom(4).hex())
-        try:
-            return name, os.open(name, flags, 0o600, dir_fd=dfd)
-        except FileExistsError:
-            continue
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def _stopped(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through receive's cleanup
 
@@ -595,7 +380,7 @@ def receive(
     lock = threading.Lock()
     root = os.path.expanduser(root)  # the chain passes `~/proj` on: each node's own home
     path = os.path.join(root, rel)
-    parts = _parts(rel)
+    parts = rel_parts(rel)
     child, fwd, downstream, child_err = None, None, [], None
     dfd = fd = tmp = None
     err = None  # (kind, message) once this node cannot write: it still forwards
@@ -610,12 +395,12 @@ def receive(
         try:
             if parts is None:
                 raise DestinationError("%r is not a relative path inside %s" % (rel, root), "dest-path")
-            dfd = _open_dir(root, parts[:-1], create=True)
-            tmp, fd = _create_tmp(dfd, parts[-1])
+            dfd = open_dir(root, parts[:-1], create=True)
+            tmp, fd = create_tmp(dfd, parts[-1])
         except DestinationError as e:
             err = (e.kind, str(e))
         except OSError as e:
-            err = _os_error(e, path)
+            err = write_error(e, path)
         h = hashlib.sha256()
         done, last = 0, 0.0
         while done < size:
@@ -624,10 +409,10 @@ def receive(
                 break
             if err is None:
                 try:
-                    _write_all(fd, chunk)
+                    write_all(fd, chunk)
                 except OSError as e:
-                    err = _os_error(e, path)
-                    _discard(dfd, tmp, fd)  # give the space back now, not after the stream
+                    err = write_error(e, path)
+                    discard(dfd, tmp, fd)  # give the space back now, not after the stream
                     tmp = fd = None
             h.update(chunk)
             done += len(chunk)
@@ -661,29 +446,15 @@ def receive(
                 remember(root, rel, digest, os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False))
                 result["ok"] = True
             except OSError as e:
-                result["kind"], result["error"] = _os_error(e, path)
+                result["kind"], result["error"] = write_error(e, path)
         return result
     finally:
-        _discard(dfd, tmp, fd)
+        discard(dfd, tmp, fd)
         if dfd is not None:
             os.close(dfd)
         if child is not None and child.poll() is None:
             _stop_next(child)
         _on_stop(saved)
-
-
-def _discard(dfd, tmp, fd) -> None:
-    """Close and remove a partial file (nothing half-written stays behind)."""
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    if tmp is not None:
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
 
 
 def _finish_next(child, fwd, downstream: list, name: str, child_err):

@@ -33,12 +33,22 @@ from typing import Any
 from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.sshsetup.remote import MARK, call_node, payload, remote_command, ssh_argv
-from corral.sync import nodetree, procs
+from corral.sync import nodedest, nodetree, procs
 from corral.transport.ssh import command_line
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(nodetree.__file__).read_text()
+
+
+def node_source() -> str:
+    """What a node runs for sync: ``nodedest``, then ``nodetree`` (which uses
+    it), as one module there; ``from __future__`` may only open the whole."""
+    dest = Path(nodedest.__file__).read_text()
+    tree = Path(nodetree.__file__).read_text().replace("from __future__ import annotations\n", "", 1)
+    return dest + "\n\n" + tree
+
+
+SOURCE = node_source()
 
 
 def hop_argv(host: Host, *, connect_timeout: int = 10) -> list[str]:
@@ -79,7 +89,7 @@ async def reachable(cluster: Cluster, pairs: Sequence[tuple[Host, Host]]) -> dic
                 a,
                 ssh_argv(cluster, a, remote_command(a.python)),
                 "nodetree",
-                _SOURCE,
+                SOURCE,
                 "probe",
                 {"argv": argv},
                 timeout=30,
@@ -145,7 +155,7 @@ async def stream(
     async def feed() -> None:
         assert proc.stdin is not None
         try:
-            proc.stdin.write(payload("nodetree", _SOURCE, "receive", args, stream=True))
+            proc.stdin.write(payload("nodetree", SOURCE, "receive", args, stream=True))
             fh = await asyncio.to_thread(open, source, "rb")
             try:
                 while True:
