@@ -948,3 +948,15 @@ def test_a_stopped_sync_leaves_nothing_running_and_nothing_written(
         for node in sb.nodes:
             sb.slow(node, None)
             sb.exec(node, ["rm", "-rf", dest])
+
+
+def test_a_destination_marker_is_never_sent(tmp_path: Path) -> None:
+    # A cloned repository with `.corral-sync` (re-included by its
+    # .corralignore) would mark any directory it is synced to as safe for --delete.
+    root = make_project(tmp_path / "p")
+    (root / nodetree.MARKER).write_text("planted")
+    (root / "src" / nodetree.MARKER).write_text("planted")
+    (root / ".corralignore").write_text("!.corral-sync\n")
+    [unit] = filelist.build_units(root)
+    assert not [p for p in unit.paths if p.endswith(nodetree.MARKER)]
+    assert not [p for p in filelist.build_units(root, ("src",))[0].paths if p.endswith(nodetree.MARKER)]
