@@ -111,12 +111,14 @@ def linked_dirs(root: str, paths: list) -> list:
 
 
 def home_dirs() -> list:
-    """This node's home directories: the login user's, and every account's."""
-    homes = {os.path.realpath(os.path.expanduser("~"))}
+    """This node's home directories: the login user's (also resolved), and every
+    account's as written (resolving them could mount every automounted home)."""
+    mine = os.path.expanduser("~")
+    homes = {os.path.normpath(mine), os.path.realpath(mine)}
     try:
         import pwd
 
-        homes.update(os.path.realpath(p.pw_dir) for p in pwd.getpwall() if p.pw_dir)
+        homes.update(os.path.normpath(p.pw_dir) for p in pwd.getpwall() if p.pw_dir.startswith("/"))
     except (ImportError, KeyError, OSError):
         pass
     return sorted(homes)
@@ -124,15 +126,15 @@ def home_dirs() -> list:
 
 def danger(path: str, homes: list):
     """Why ``--delete`` into ``path`` would be dangerous (None when it is not)."""
-    real = os.path.realpath(path)
-    if real == "/":
+    names = {os.path.normpath(path), os.path.realpath(path)}
+    if "/" in names:
         return "it is the root directory"
     for home in homes:
         if home == "/":
             continue
-        if real == home:
-            return "it is a home directory" + ("" if path == home else " (%s)" % home)
-        if home.startswith(real.rstrip("/") + "/"):
+        if home in names:
+            return "it is a home directory" + ("" if home == path else " (%s)" % home)
+        if any(home.startswith(n + "/") for n in names):
             return "it holds the home directory %s" % home
     return None
 
