@@ -11,13 +11,17 @@ with their own walk and sha256, not with corral's bookkeeping.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from conftest import pid_alive
 
 from corral.sync import filelist, nodetree
 from corral.sync.ignore import IgnoreRules, parse
@@ -314,7 +318,8 @@ def test_a_login_shell_that_prints_is_named_not_blamed_on_the_disk() -> None:
     assert "free space" not in err.hint
     full = failure(Host(name="gpu2"), 11, "rsync: write failed on \"/srv/x\": No space left on device (28)\n"
                                            "rsync error: error in file IO (code 11) at receiver.c(381)")
-    assert full.hint == "the node's disk is full"
+    assert full.message == 'gpu2: the disk is full: cannot write /srv/x (No space left on device)'
+    assert "`df -h` there" in full.hint and full.kind == "nospace"
     ro = failure(Host(name="gpu2"), 23, 'rsync: [receiver] mkstemp "/srv/proj/.t.py.LItuTM" failed: '
                                          "Read-only file system (30)\n")
     assert "read-only file system there" in ro.hint and "dmesg" in ro.hint
@@ -342,12 +347,15 @@ def test_a_node_lost_in_the_middle_of_a_sync_is_named_as_lost(said: str) -> None
 
 
 def _tree(root: Path) -> dict[str, list]:
-    """An independent description: relative path -> [kind, mode, sha256 or link target]."""
+    """An independent description: relative path -> [kind, mode, sha256 or link target]
+    (without the marker a first sync writes into its destination)."""
     out = {}
     for dirpath, dirs, files in os.walk(root):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
             p = Path(dirpath) / name
             rel = str(p.relative_to(root))
+            if rel == nodetree.MARKER:
+                continue
             if p.is_symlink():
                 out[rel] = ["l", os.readlink(p)]
             else:
@@ -375,6 +383,7 @@ def test_local_sync_to_another_directory(tmp_path: Path) -> None:
     assert report["ok"] and report["mode"] == "star"
     want = {k: v for k, v in _tree(root).items() if k in EXPECTED}
     assert _tree(dest) == want
+    assert (dest / nodetree.MARKER).is_file()  # a new destination: marked for later --delete runs
 
 
 # ---------------------------------------------------------------------------
@@ -388,6 +397,8 @@ for dirpath, dirs, files in os.walk(root):
     for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
         p = os.path.join(dirpath, name)
         rel = os.path.relpath(p, root)
+        if rel == ".corral-sync":  # the destination's marker
+            continue
         if os.path.islink(p):
             out[rel] = ["l", os.readlink(p)]
         else:
@@ -686,3 +697,266 @@ def test_named_parts_of_the_project_go_to_its_destination_other_trees_keep_their
     assert [(u.dest, u.paths) for u in units] == [
         ("/srv/proj", ("data/shard0.bin",)), (str(tmp_path), ("datasets/a.bin",))]
     assert filelist.build_units(root, ("data",), "/x", "/srv/proj")[0].dest == "/x"
+
+
+# ---------------------------------------------------------------------------
+# destinations: links, --delete's guard, permissions (issue 16)
+
+
+def _corral_here(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CORRAL, "sync", *args], cwd=root, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_a_chain_hop_never_writes_through_a_linked_directory(tmp_path: Path) -> None:
+    # Seen on nodes: /srv/proj2/bigdir -> /srv/victim, and the chain wrote
+    # bigdir/big.bin into /srv/victim/big.bin (then reported "verified").
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "big.bin").write_bytes(b"victim's own")
+    (tmp_path / "proj").mkdir()
+    os.symlink(tmp_path / "victim", tmp_path / "proj" / "bigdir")
+    data = os.urandom(3 * MiB)
+    got = nodetree.receive(io.BytesIO(data), "n1", str(tmp_path / "proj"), "bigdir/big.bin", len(data),
+                           hashlib.sha256(data).hexdigest(), 0o644, 0)
+    assert not got["ok"] and got["kind"] == "dest-link"
+    assert got["error"].startswith(f"{tmp_path / 'proj' / 'bigdir'} is a symbolic link to {tmp_path / 'victim'}")
+    assert (tmp_path / "victim" / "big.bin").read_bytes() == b"victim's own"
+    assert sorted(os.listdir(tmp_path / "victim")) == ["big.bin"]  # no partial file either
+
+
+def test_delete_never_leaves_the_tree_by_a_path_that_only_looks_inside(tmp_path: Path) -> None:
+    # `/x/proj-other` starts with `/x/proj`: a string prefix test let
+    # ../proj-other/file be deleted from /x/proj.
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj-other").mkdir()
+    (tmp_path / "proj-other" / "file").write_text("not ours")
+    (tmp_path / "proj" / "mine").write_text("extra")
+    assert nodetree.delete(str(tmp_path / "proj"), ["../proj-other/file", "mine"]) == 1
+    assert (tmp_path / "proj-other" / "file").read_text() == "not ours"
+    assert not (tmp_path / "proj" / "mine").exists()
+
+
+@pytest.mark.parametrize("to", ["home", "tilde", "root"])
+def test_delete_refuses_a_home_or_the_root_even_in_a_dry_run(tmp_path: Path, to: str) -> None:
+    # `corral sync --to ~ --delete --dry-run` listed ~/.ssh and ~/.bashrc among
+    # 180,000 files to delete.
+    root = make_project(tmp_path / "p")
+    home = Path.home()
+    (home / ".ssh").mkdir(exist_ok=True)
+    (home / ".ssh" / "id_ed25519").write_text("key")
+    dest = {"home": str(home), "tilde": "~", "root": "/"}[to]
+    res = _corral_here(root, "--to", dest, "--delete", "--dry-run")
+    assert res.returncode != 0
+    shown = "/" if to == "root" else str(home)
+    why = "it is the root directory" if to == "root" else "it is a home directory"
+    assert f"refusing --delete in {shown}: {why}" in res.stderr
+    assert "--force-delete" in res.stderr and "id_ed25519" not in res.stdout
+    assert (home / ".ssh" / "id_ed25519").exists()
+
+
+def test_delete_refuses_a_directory_corral_did_not_sync_to_until_forced(tmp_path: Path) -> None:
+    root = make_project(tmp_path / "p")
+    dest = tmp_path / "checkout"
+    dest.mkdir()
+    (dest / "mine.txt").write_text("someone's work")
+    res = _corral_here(root, "--to", str(dest), "--delete")
+    assert res.returncode != 0 and f"refusing --delete in {dest}: it is not empty" in res.stderr
+    assert "--force-delete" in res.stderr
+    assert (dest / "mine.txt").exists() and not (dest / "train.py").exists()
+    # The user confirms once: the extra file goes, and the directory is marked ...
+    forced = _corral_here(root, "--to", str(dest), "--force-delete")
+    assert forced.returncode == 0, forced.stderr
+    assert not (dest / "mine.txt").exists() and (dest / nodetree.MARKER).is_file()
+    # ... so a plain --delete works from then on (and keeps the marker).
+    (dest / "stray.py").write_text("old")
+    again = _corral_here(root, "--to", str(dest), "--delete")
+    assert again.returncode == 0, again.stderr
+    assert not (dest / "stray.py").exists() and (dest / nodetree.MARKER).is_file()
+    # A new (or empty) destination is marked by its first sync.
+    fresh = tmp_path / "fresh"
+    assert _corral_here(root, "--to", str(fresh)).returncode == 0
+    (fresh / "stray.py").write_text("old")
+    assert _corral_here(root, "--to", str(fresh), "--delete").returncode == 0
+    assert not (fresh / "stray.py").exists()
+
+
+@pytest.mark.skipif(not ROOT, reason="drops root's right to write anywhere (setpriv)")
+def test_a_destination_the_user_cannot_create_has_a_hint(tmp_path: Path) -> None:
+    # `corral sync --to /srv/proj` where the login user cannot write /srv said
+    # "cannot create /srv/proj: Permission denied" and nothing else.  Root
+    # without CAP_DAC_OVERRIDE is refused like any user.
+    root = make_project(tmp_path / "p")
+    locked = tmp_path / "srv"
+    locked.mkdir()
+    os.chown(locked, 65534, 65534)
+    res = subprocess.run(
+        ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--", *CORRAL, "sync",
+         "--to", str(locked / "proj")],
+        cwd=root, capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode != 0
+    assert f"cannot create {locked / 'proj'}: Permission denied" in res.stderr
+    assert "hint:" in res.stderr and "--to ~/proj" in res.stderr and "Traceback" not in res.stderr
+
+
+def _sh(sb, node: str, script: str) -> str:
+    return sb.exec(node, ["sh", "-c", script], check=True).stdout
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("cluster", ["sandbox", "mesh_sandbox"])
+def test_a_linked_directory_on_the_nodes_is_refused_for_rsync_and_the_chain(
+    request: pytest.FixtureRequest, tmp_path: Path, cluster: str
+) -> None:
+    # With /srv/proj2/bigdir -> /srv/victim on the nodes, the chain wrote
+    # bigdir/big.bin into /srv/victim on every node and said "verified"
+    # (rsync replaced the link).  Both now refuse, naming node and link.
+    sb = request.getfixturevalue(cluster)
+    root = make_project(tmp_path / "proj")
+    (root / "bigdir").mkdir()
+    (root / "bigdir" / "big.bin").write_bytes(os.urandom(6 * MiB))
+    for node in sb.nodes:
+        _sh(sb, node, "mkdir -p /srv/victim /srv/proj2 && echo theirs > /srv/victim/big.bin && "
+                      "ln -sfn /srv/victim /srv/proj2/bigdir")
+    try:
+        res = corral_sync(root, sb.cluster_file, "--to", "/srv/proj2", "--pipeline-min", "4M")
+        assert res.returncode != 0
+        assert "/srv/proj2/bigdir is a symbolic link to /srv/victim" in res.stderr
+        assert "hint: remove the link" in res.stderr
+        for node in sb.nodes:
+            assert _sh(sb, node, "ls -A /srv/victim; cat /srv/victim/big.bin") == "big.bin\ntheirs\n", node
+            assert _sh(sb, node, "readlink /srv/proj2/bigdir") == "/srv/victim\n", node
+    finally:
+        for node in sb.nodes:
+            sb.exec(node, ["rm", "-rf", "/srv/proj2", "/srv/victim"])
+
+
+@pytest.mark.sandbox
+def test_delete_into_the_nodes_home_is_refused(sandbox, tmp_path: Path) -> None:
+    # `workdir = "~"` in a cluster file made the home the default destination
+    # of `corral sync --delete`.
+    root = make_project(tmp_path / "proj")
+    res = corral_sync(root, sandbox.cluster_file, "--to", "~", "--delete", "--dry-run")
+    assert res.returncode != 0
+    home = _sh(sandbox, sandbox.nodes[0], "echo ~").strip()
+    assert f"refusing --delete in {home}: it is a home directory" in res.stderr
+    assert "--force-delete" in res.stderr and "would delete" not in res.stdout
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("how", ["chain", "rsync"])
+def test_a_full_disk_on_a_chain_hop_is_named_and_leaves_no_partial_file(
+    mesh_sandbox, tmp_path: Path, how: str
+) -> None:
+    # A full disk on a node left `.big.bin.corral-NNN` (100 MB) behind, the
+    # disk full, and an error that blamed a broken pipe (rsync's too: its
+    # sender's last line is "write error: Broken pipe").
+    sb = mesh_sandbox
+    first, full, last = sb.nodes
+    root = make_project(tmp_path / "proj", big=40 * MiB)
+    for node in sb.nodes:
+        _sh(sb, node, "mkdir -p /srv/full")
+    _sh(sb, full, "mount -t tmpfs -o size=20m tmpfs /srv/full")
+    try:
+        res = corral_sync(root, sb.cluster_file, "--to", "/srv/full/proj", "--pipeline-min", "4M",
+                          *(["--no-pipeline"] if how == "rsync" else []))
+        assert res.returncode != 0
+        assert f"{full}: the disk is full: cannot write /srv/full/proj/ckpt/big.bin" in res.stderr
+        assert "df -h` there" in res.stderr and "Broken pipe" not in res.stderr
+        assert _sh(sb, full, "find /srv/full -name '.big.bin*'") == ""
+        # The full node (a hop passes the file on all the same) is the only one that failed.
+        want = _expected(root, {"ckpt/big.bin"})
+        for node in (first, last):
+            assert {k: v for k, v in node_tree(sb, node, Path("/srv/full/proj")).items()
+                    if k == "ckpt/big.bin"} == want, node
+    finally:
+        sb.exec(full, ["umount", "/srv/full"])
+        for node in sb.nodes:
+            sb.exec(node, ["rm", "-rf", "/srv/full"])
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> command name of every process below ``pid`` (from /proc)."""
+    parents: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    head, rest = fh.read().rsplit(")", 1)
+                parents[int(entry)] = (int(rest.split()[1]), head.split("(", 1)[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for child, (ppid, name) in parents.items():
+            if ppid == p and child not in found:
+                found[child] = name
+                todo.append(child)
+    return found
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize(("how", "sig"), [("rsync", signal.SIGINT), ("rsync", signal.SIGTERM),
+                                          ("chain", signal.SIGINT)])
+def test_a_stopped_sync_leaves_nothing_running_and_nothing_written(
+    request: pytest.FixtureRequest, tmp_path: Path, how: str, sig: int
+) -> None:
+    # Ctrl-C during an rsync of a large file: corral exited 130 at once, its
+    # rsync and ssh went on (reparented to init) and replaced the file on
+    # every node 30 s later.
+    sb = request.getfixturevalue("sandbox" if how == "rsync" else "mesh_sandbox")
+    root = make_project(tmp_path / "proj", big=24 * MiB)
+    dest = f"/srv/stopped-{how}-{sig}"
+    for node in sb.nodes:
+        sb.slow(node, "16mbit")  # 24 MiB: about 12 s a link
+    flags = ["--no-pipeline"] if how == "rsync" else ["--pipeline-min", "4M"]
+    proc = subprocess.Popen([*CORRAL, "sync", "-c", str(sb.cluster_file), "--to", dest, *flags],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[int, str] = {}
+
+    def partial(node: str) -> str:
+        return _sh(sb, node, f"find {dest} -name '.big.bin*' -o -name big.bin 2>/dev/null || true")
+
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None and not partial(sb.nodes[0]):
+            seen.update(_descendants(proc.pid))
+            time.sleep(0.2)
+        assert partial(sb.nodes[0]), proc.communicate(timeout=60)  # under way
+        time.sleep(1)
+        seen.update(_descendants(proc.pid))
+        assert {"rsync" if how == "rsync" else "ssh"} <= set(seen.values())
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        left = {p: n for p, n in seen.items() if pid_alive(p) and n in ("rsync", "ssh")}
+        assert left == {}, f"still running after corral exited: {left}"
+        # The nodes notice their input end: no copy goes on, no partial file stays.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(partial(n) for n in sb.nodes):
+            time.sleep(0.5)
+        time.sleep(2)
+        assert {n: partial(n) for n in sb.nodes} == {n: "" for n in sb.nodes}
+    finally:
+        for p, n in seen.items():
+            if n in ("rsync", "ssh") and pid_alive(p):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for node in sb.nodes:
+            sb.slow(node, None)
+            sb.exec(node, ["rm", "-rf", dest])
+
+
+def test_a_destination_marker_is_never_sent(tmp_path: Path) -> None:
+    # A cloned repository with `.corral-sync` (re-included by its
+    # .corralignore) would mark any directory it is synced to as safe for --delete.
+    root = make_project(tmp_path / "p")
+    (root / nodetree.MARKER).write_text("planted")
+    (root / "src" / nodetree.MARKER).write_text("planted")
+    (root / ".corralignore").write_text("!.corral-sync\n")
+    [unit] = filelist.build_units(root)
+    assert not [p for p in unit.paths if p.endswith(nodetree.MARKER)]
+    assert not [p for p in filelist.build_units(root, ("src",))[0].paths if p.endswith(nodetree.MARKER)]

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
+from collections.abc import Coroutine
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.markup import escape
@@ -98,7 +101,9 @@ def sync_cluster(
     """
     options = with_cluster_workdir(cluster, options)
     view = ProgressView(quiet=as_json)
-    report = asyncio.run(run_sync_async(cluster, options, cwd=cwd, view=view))
+    report = asyncio.run(_stoppable(run_sync_async(cluster, options, cwd=cwd, view=view)))
+    if report is None:
+        raise KeyboardInterrupt  # SIGTERM or SIGHUP: stopped as Ctrl-C stops it
     if brief:
         copied = sum(len(r.copy) for r in report.nodes.values())
         would = "would copy" if options.dry_run else "copied"
@@ -113,6 +118,33 @@ def sync_cluster(
     else:
         render(report, dry_run=options.dry_run, verbose=verbose)
     return report
+
+
+async def _stoppable(work: Coroutine[Any, Any, SyncReport]) -> SyncReport | None:
+    """``work``, stopped by SIGTERM and SIGHUP as asyncio stops it on Ctrl-C:
+    cancelled, so the sync stops its rsync and ssh (and waits for them) before
+    corral exits; None when a signal stopped it."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    stopped: list[int] = []
+
+    def stop(sig: int) -> None:
+        stopped.append(sig)
+        task.cancel()
+
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+    for sig in sigs:
+        loop.add_signal_handler(sig, stop, sig)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if stopped:
+            return None
+        raise
+    finally:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
 
 
 def with_cluster_workdir(cluster: Cluster, options: SyncOptions) -> SyncOptions:
@@ -205,7 +237,14 @@ def render(report: SyncReport, *, dry_run: bool, verbose: bool) -> None:
     "--delete",
     is_flag=True,
     help="Delete files on the nodes that are not here (only inside the synced tree; files the "
-    "ignore rules match, like runs/ or checkpoints, are kept).",
+    "ignore rules match, like runs/ or checkpoints, are kept). Refused in /, a home directory, "
+    "or a non-empty directory corral has not synced to (see --force-delete).",
+)
+@click.option(
+    "--force-delete",
+    is_flag=True,
+    help="Let --delete prune a directory it refuses: / , a home directory, or a non-empty "
+    "directory corral has not synced to before (no .corral-sync marker there).",
 )
 @click.option("--dry-run", is_flag=True, help="Show what would be copied and deleted on each node.")
 @retired_short("-n", now="--dry-run", why="-n is --nproc-per-node in run and bench")
@@ -231,6 +270,7 @@ def sync(
     paths: tuple[str, ...],
     to: str | None,
     delete: bool,
+    force_delete: bool,
     dry_run: bool,
     check: bool,
     no_pipeline: bool,
@@ -245,6 +285,7 @@ def sync(
       corral sync -c hostfile                  # this git project, same path on every node
                                              # (or the cluster file's workdir)
       corral sync -c hostfile --delete -n      # what would change (and be deleted) on each node
+      corral sync --to /srv/proj --force-delete  # --delete into a directory not synced before
       corral sync data/ ckpt/model.pt          # parts of the project (even if .gitignore'd)
       corral sync /datasets/wiki --to /srv     # a tree outside the project -> /srv/wiki
       corral sync --check                      # compare tree hashes only
@@ -260,7 +301,8 @@ def sync(
     options = SyncOptions(
         paths=paths,
         to=to,
-        delete=delete,
+        delete=delete or force_delete,
+        force_delete=force_delete,
         dry_run=dry_run,
         check=check,
         pipeline="off" if no_pipeline else "auto",

@@ -165,6 +165,11 @@ async def call_node(
         raise HostError(
             host.name, f"{fn} got no answer within {timeout:.0f}s", kind="timeout"
         ) from None
+    except asyncio.CancelledError:  # Ctrl-C: the call stops with the command
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        raise
     found, result = parse_result(out)
     if not found:
         raise failure(

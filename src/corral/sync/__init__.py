@@ -9,8 +9,10 @@ Library use::
 
 Modules: ``ignore`` (gitignore syntax), ``filelist`` (what to send: git
 ls-files, .corralignore, defaults), ``nodetree`` (stdlib: manifests, tree
-hash, node-side status/delete and the streaming hop), ``rsync`` (rsync over
-corral's ssh), ``pipeline`` (large files node to node), ``engine`` (the
+hash, node-side status/delete and the streaming hop), ``nodedest`` (stdlib:
+no links below the destination, the --delete guard, temporary files),
+``rsync`` (rsync over corral's ssh), ``pipeline`` (large files node to node),
+``procs`` (stopping rsync and ssh with their process groups), ``engine`` (the
 steps in order).  See docs/sync.md.
 """
 

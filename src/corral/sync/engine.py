@@ -35,7 +35,7 @@ from corral.sync.filelist import Unit
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(nodetree.__file__).read_text()
+_SOURCE = pipeline.SOURCE
 MiB = 1 << 20
 #: A node hashing terabytes for the first time takes long; a dead node is
 #: noticed by ssh's keepalives (seconds), not by this.
@@ -65,6 +65,9 @@ class SyncOptions:
     #: workdir); named trees outside the project keep their own path.
     project_to: str | None = None
     delete: bool = False
+    #: Let ``--delete`` prune a directory its guard refuses (a home, ``/``, or
+    #: a non-empty directory corral has not marked as a sync destination).
+    force_delete: bool = False
     dry_run: bool = False
     #: Only compare (tree hashes, differing files); send nothing.
     check: bool = False
@@ -127,6 +130,33 @@ class SyncReport:
         }
 
 
+#: What to do about the node's names for a destination it cannot use
+#: (``nodetree``'s error kinds).
+_HINTS = {
+    "dest-permission": "the login user cannot write there: pick a destination it can write "
+                       "(--to ~/proj), or have the directory made there with that user as its "
+                       "owner (`sudo install -d -o USER DIR`)",
+    "dest-link": "remove the link on the node (`rm LINK` removes the link, not what it points to) "
+                 "and sync again, or sync into the link's target directly (--to)",
+    "nospace": "free space on {host} (`df -h` there), or sync to another disk (--to); the partial "
+               "file was removed",
+    "readonly": "the destination on {host} is on a read-only file system (a read-only mount, or one "
+                "the kernel remounted after disk errors: `dmesg` there); pick a writable --to",
+}
+#: Failures of a chain hop that a second try from this machine would repeat.
+_FINAL = frozenset(_HINTS) | {"dest-path"}
+
+
+def hinted(problem: HostError) -> HostError:
+    """``problem`` with the hint for its kind, when it has none."""
+    hint = _HINTS.get(problem.kind)
+    if problem.hint or hint is None:
+        return problem
+    prefix = f"{problem.host}: "
+    text = problem.message[len(prefix):] if problem.message.startswith(prefix) else problem.message
+    return HostError(problem.host, text, hint=hint.format(host=problem.host), kind=problem.kind)
+
+
 def combined(hashes: list[str]) -> str:
     if len(hashes) == 1:
         return hashes[0]
@@ -146,6 +176,8 @@ class Syncer:
         self.notes: list[str] = []
         self.sent = 0
         self._probe: asyncio.Task | None = None
+        #: Nodes whose chain hop failed for good (a full disk): not retried.
+        self._failed: dict[str, HostError] = {}
 
     def _note(self, text: str) -> None:
         self.notes.append(text)
@@ -191,8 +223,9 @@ class Syncer:
             asyncio.to_thread(
                 lambda: [nodetree.manifest(str(u.root), list(u.paths)) for u in units]
             ),
-            self._status(hosts, units, scope=self.options.delete, dry_run=readonly),
+            self._status(hosts, units, scope=self.options.delete, dry_run=readonly, marks=True),
         )
+        self._guard(hosts, before)
         log.debug("%.2fs: manifest here, status of %d node(s)", time.monotonic() - t0, len(hosts))
         head_hash = combined([h["hash"] for h in heads])
         skipped = {
@@ -270,18 +303,49 @@ class Syncer:
         return host.local and all(u.dest == str(u.root) for u in units)
 
     async def _status(
-        self, hosts: list[Host], units: list[Unit], *, scope: bool, dry_run: bool
+        self, hosts: list[Host], units: list[Unit], *, scope: bool, dry_run: bool,
+        marks: bool = False,
     ) -> dict[str, list[dict]]:
         payload = [
-            {"root": u.dest, "paths": list(u.paths), "scope": list(u.scope) if scope else None}
+            {"root": u.dest, "paths": list(u.paths), "scope": list(u.scope) if scope else None,
+             "marks": list(u.scope) if marks else []}
             for u in units
         ]
-        values, problems = await gather_hosts(
-            hosts, lambda host: self.call(host, "status", {"units": payload, "dry_run": dry_run})
-        )
+        args = {"units": payload, "dry_run": dry_run,
+                "mark_all": self.options.delete and self.options.force_delete,
+                "guarded": self.options.delete and not self.options.force_delete}
+        values, problems = await gather_hosts(hosts, lambda host: self.call(host, "status", args))
         if problems:
-            raise PreflightError(problems, what="sync")
+            raise PreflightError([hinted(p) for p in problems], what="sync")
         return values
+
+    def _guard(self, hosts: list[Host], before: dict[str, list[dict]]) -> None:
+        """``--delete`` only prunes directories that are recognisably synced
+        projects: never ``/`` or a home (``--to ~ --delete`` would remove
+        ~/.ssh), never a non-empty directory corral has not marked -- unless
+        ``--force-delete``.  Dry runs are refused the same way."""
+        if not self.options.delete or self.options.force_delete:
+            return
+        problems = []
+        for h in hosts:
+            for st in before[h.name]:
+                for g in st.get("guard") or []:
+                    if not nodetree.refused(g):
+                        continue
+                    if g["danger"]:
+                        why = (f"{g['danger']}: it would remove every file there that is not in the "
+                               "synced tree")
+                    else:
+                        why = (f"it is not empty and corral has not synced to it before (no "
+                               f"{nodetree.MARKER} file there)")
+                    problems.append(HostError(
+                        h.name, f"refusing --delete in {g['path']}: {why}",
+                        hint="check --to (or the cluster file's workdir); if that directory really "
+                             "holds this project's copy, add --force-delete (corral then marks it, "
+                             "and later --delete runs need no flag)",
+                        kind="delete-guard"))
+        if problems:
+            raise PreflightError(problems, what="sync --delete")
 
     def _plan(
         self, host: Host, units: list[Unit], heads: list[dict], status: list[dict]
@@ -368,9 +432,10 @@ class Syncer:
                         on_bytes=progress,
                     )
 
-            _, problems = await gather_hosts(hosts, star)
+            _, problems = await gather_hosts([h for h in hosts if h.name not in self._failed], star)
         finally:
             self.view.done()
+        problems = [*self._failed.values(), *problems]
         if problems:
             raise PreflightError(problems, what="sync")
         return mode
@@ -444,6 +509,9 @@ class Syncer:
         for n, r in failed.items():
             self.sent -= got.get(n, 0)
             self.view.advance(-got.get(n, 0))
+            if r.kind in _FINAL:
+                self._failed[n] = hinted(HostError(n, r.error or r.kind, kind=r.kind))
+                continue
             self._note(
                 f"{n}: streaming {rel} failed ({r.error}); sending it from this machine instead"
             )

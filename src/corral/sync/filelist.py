@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from corral.errors import UsageError
 from corral.sync.ignore import IgnoreRules, parse
+from corral.sync.nodedest import MARKER
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ DEFAULT_EXCLUDES = (
     ".ruff_cache/",
     ".ipynb_checkpoints/",
     ".DS_Store",
+    MARKER,  # a sync destination's marker: per machine, never sent (_without_markers)
 )
 
 
@@ -291,7 +293,15 @@ def build_units(cwd: Path, names: tuple[str, ...] = (), to: str | None = None,
             f"--to {to!r}: give an absolute path on the nodes (or ~/DIR, in the home there)",
             hint="e.g. --to /srv/project",
         )
-    return path_units(cwd, names, to, project_to) if names else [project_unit(cwd, to or project_to)]
+    units = path_units(cwd, names, to, project_to) if names else [project_unit(cwd, to or project_to)]
+    return [_without_markers(u) for u in units]
+
+
+def _without_markers(unit: Unit) -> Unit:
+    """Never send a destination marker, even one a ``.corralignore`` re-includes
+    or a name asks for: it would make a directory look synced to ``--delete``."""
+    paths = tuple(p for p in unit.paths if p.rsplit("/", 1)[-1] != MARKER)
+    return unit if len(paths) == len(unit.paths) else replace(unit, paths=paths)
 
 
 def protected(unit: Unit, extras: list[str]) -> set[str]:

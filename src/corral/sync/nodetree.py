@@ -17,6 +17,10 @@ the head, so both sides describe a tree with the same code:
 The node-side calls: ``status`` (what differs from the head's manifest, and
 with ``scope`` what is extra), ``delete``, ``probe`` (can this node log in to
 the next one) and ``receive`` (one hop of the streaming chain).
+
+What may be written or deleted where (no links below the destination root,
+the ``--delete`` guard, temporary files) is ``nodedest``: a node runs its
+source just before this module's, in one namespace (``pipeline.SOURCE``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -50,6 +55,25 @@ PRUNE = (
 MARK = "@@corral-result@@"
 PROGRESS = "@@prog "
 HOP = "@@hop "
+
+if "_CORRAL_HEADER" not in globals():  # on the head; on a node nodedest's source ran just before
+    from corral.sync.nodedest import (
+        MARKER,
+        DestinationError,
+        create_tmp,
+        discard,
+        guard,
+        in_dir,
+        link_error,
+        linked_dirs,
+        make_root,
+        open_dir,
+        refused,
+        rel_parts,
+        write_all,
+        write_error,
+        write_marker,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -145,15 +169,11 @@ def manifest(root: str, paths: list, use_cache: bool = True, save: bool = True) 
     return {"entries": entries, "missing": missing, "hash": tree_hash(entries)}
 
 
-# ---------------------------------------------------------------------------
-# node-side calls
-
-
 def _walk_extra(root: str, scope: list, expected: dict) -> list:
     extra = []
     for top in scope:
         start = os.path.join(root, top) if top else root
-        if not os.path.isdir(start) or os.path.islink(start):
+        if not os.path.isdir(start) or os.path.islink(start) or (top and linked_dirs(root, [top + "/x"])):
             continue
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames[:] = [
@@ -170,54 +190,50 @@ def _walk_extra(root: str, scope: list, expected: dict) -> list:
             ]
             for name in list(filenames) + links:
                 rel = name if rel_dir == "." else rel_dir + "/" + name
-                if rel not in expected:
+                if rel not in expected and name != MARKER:
                     extra.append(rel)
     return sorted(set(extra))
 
 
-class DestinationError(Exception):
-    """The destination cannot be made; the message is for the user as is."""
+def status(units: list, dry_run: bool = False, mark_all: bool = False, guarded: bool = False) -> list:
+    """For each unit ``{"root", "paths": [...], "scope": [dirs] | None, "marks": [dirs]}``:
+    the node's entries for those paths (the head compares them with its own),
+    its tree hash, with a scope the files it has that are not listed, and the
+    ``--delete`` guard's facts about the ``marks`` directories (``guarded``: a
+    directory the guard refuses is not walked -- ``--to / --delete`` would
+    walk the whole disk only to be refused).
 
-    kind = "destination"
-
-
-def _make_root(root: str) -> None:
-    try:
-        os.makedirs(root, exist_ok=True)
-    except FileExistsError:
-        # Not a directory, though something is there: a link to nowhere, or a file.
-        if os.path.islink(root):
-            raise DestinationError(
-                "%s is a symbolic link to %s, which does not exist: create that directory, or "
-                "remove the link (then sync again)" % (root, os.readlink(root))) from None
-        raise DestinationError("%s exists and is not a directory: move it away, or choose "
-                               "another destination (--to)" % root) from None
-    except OSError as e:
-        raise DestinationError("cannot create %s: %s" % (root, e.strerror or e)) from None
-
-
-def status(units: list, dry_run: bool = False) -> list:
-    """For each unit ``{"root", "paths": [...], "scope": [dirs] | None}``: the
-    node's entries for those paths (the head compares them with its own),
-    its tree hash and, with a scope, the files it has that are not listed.
-    Creates the root (outside dry runs) so rsync has somewhere to write."""
+    Outside dry runs it creates the root (so rsync has somewhere to write) and
+    marks each ``marks`` directory that is new or empty (every one that is not
+    dangerous with ``mark_all``: the user said --force-delete).  A synced
+    directory that is a link here is refused before anything is written."""
     out = []
     for unit in units:
         root, paths = os.path.expanduser(unit["root"]), unit["paths"]  # `~/proj`: this node's home
+        marks = unit.get("marks") or []
         exists = os.path.isdir(root)
         if not exists and not dry_run:
-            _make_root(root)
+            make_root(root)
+        linked = linked_dirs(root, list(paths) + [m + "/x" for m in marks if m]) if exists else []
+        if linked:
+            more = " (and %d more)" % (len(linked) - 1) if len(linked) > 1 else ""
+            err = link_error(root, linked[0].split("/"))
+            raise DestinationError(str(err) + more, err.kind)
+        facts = guard(root, marks)
+        if not dry_run:
+            for f in facts:
+                if not f["danger"] and not f["marked"] and (f["empty"] or mark_all):
+                    write_marker(root, f["dir"])
         if exists:
             got = manifest(root, paths, save=not dry_run)
         else:
             got = {"entries": {}, "missing": list(paths), "hash": tree_hash({})}
-        extra = (
-            _walk_extra(root, unit["scope"], set(paths))
-            if unit.get("scope") is not None and exists
-            else []
-        )
+        walk = unit.get("scope") is not None and exists
+        if walk and guarded and any(refused(f) for f in facts):
+            walk = False  # the head refuses this --delete anyway
+        extra = _walk_extra(root, unit["scope"], set(paths)) if walk else []
         out.append({"root": unit["root"], "path": root, "hash": got["hash"], "entries": got["entries"],
-                    "extra": extra})
+                    "extra": extra, "guard": facts})
     return out
 
 
@@ -237,38 +253,37 @@ def differ(want: dict, have: dict) -> dict:
     return out
 
 
-def remember(root: str, rel: str, digest: str) -> None:
+def remember(root: str, rel: str, digest: str, st=None) -> None:
     """Record the digest of a file this process just wrote and checked, so the
     verification that follows needs a stat, not another read of the file."""
-    full = os.path.join(root, rel)
-    st = os.lstat(full)
+    if st is None:
+        st = os.lstat(os.path.join(root, rel))
     cache = load_cache(root)
     cache[rel] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, digest]
     save_cache(root, cache)
 
 
 def delete(root: str, paths: list) -> int:
-    """Remove ``paths`` (relative to ``root``), then directories they leave empty."""
+    """Remove ``paths`` (relative to ``root``), then directories they leave empty.
+
+    Each path is reached one directory at a time without following links, so
+    ``../proj-other/file`` or ``escape/x`` through a linked directory is never
+    touched (a prefix test on path strings let ``/x/proj-other`` pass for
+    ``/x/proj``)."""
     count = 0
     dirs = set()
     root = os.path.expanduser(root)
-    real_root = os.path.realpath(root)
     for rel in paths:
-        full = os.path.join(root, rel)
-        if not os.path.realpath(os.path.dirname(full)).startswith(real_root):
-            continue  # never outside the synced tree, even through a symlinked dir
-        try:
-            os.unlink(full)
-            count += 1
-        except FileNotFoundError:
+        if not in_dir(root, rel, lambda name, fd: os.unlink(name, dir_fd=fd)):
             continue
+        count += 1
         parent = os.path.dirname(rel)
         while parent:
             dirs.add(parent)
             parent = os.path.dirname(parent)
     for rel in sorted(dirs, key=lambda d: -d.count("/")):
         try:
-            os.rmdir(os.path.join(root, rel))
+            in_dir(root, rel, lambda name, fd: os.rmdir(name, dir_fd=fd))
         except OSError:
             pass  # not empty: something else lives there
     return count
@@ -327,6 +342,22 @@ def _forward(child, lock: threading.Lock, results: list) -> None:
             _emit(lock, line)
 
 
+def _stopped(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through receive's cleanup
+
+
+def _on_stop(handler):
+    """Install ``handler`` (one, or a dict saved before) for SIGTERM and SIGHUP;
+    the handlers it replaced (none off the main thread)."""
+    saved = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            saved[sig] = signal.signal(sig, handler[sig] if isinstance(handler, dict) else handler)
+        except (ValueError, KeyError):
+            pass
+    return saved
+
+
 def receive(
     stream,
     name: str,
@@ -339,28 +370,50 @@ def receive(
     chain: list = (),
 ) -> dict:
     """Write ``size`` bytes from ``stream`` to ``root/rel`` while forwarding them
-    to the next hop of ``chain``; verify the sha256; rename into place."""
+    to the next hop of ``chain``; verify the sha256; rename into place.
+
+    The file's directory is reached without following links (a link there
+    fails this hop, naming it).  When writing here fails (a full disk), the
+    partial file is removed at once and the bytes still go on to the next
+    hop; on every other failure, a signal included, it is removed too."""
+    saved = _on_stop(_stopped)
     lock = threading.Lock()
     root = os.path.expanduser(root)  # the chain passes `~/proj` on: each node's own home
     path = os.path.join(root, rel)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.corral-{os.getpid()}")
+    parts = rel_parts(rel)
     child, fwd, downstream, child_err = None, None, [], None
-    if chain:
+    dfd = fd = tmp = None
+    err = None  # (kind, message) once this node cannot write: it still forwards
+    try:
+        if chain:
+            try:
+                child = _start_next(chain[0], list(chain[1:]))
+                fwd = threading.Thread(target=_forward, args=(child, lock, downstream), daemon=True)
+                fwd.start()
+            except OSError as e:
+                child_err = "cannot start ssh to {}: {}".format(chain[0]["name"], e)
         try:
-            child = _start_next(chain[0], list(chain[1:]))
-            fwd = threading.Thread(target=_forward, args=(child, lock, downstream), daemon=True)
-            fwd.start()
+            if parts is None:
+                raise DestinationError("%r is not a relative path inside %s" % (rel, root), "dest-path")
+            dfd = open_dir(root, parts[:-1], create=True)
+            tmp, fd = create_tmp(dfd, parts[-1])
+        except DestinationError as e:
+            err = (e.kind, str(e))
         except OSError as e:
-            child_err = "cannot start ssh to {}: {}".format(chain[0]["name"], e)
-    h = hashlib.sha256()
-    done, last = 0, 0.0
-    with open(tmp, "wb") as out:
+            err = write_error(e, path)
+        h = hashlib.sha256()
+        done, last = 0, 0.0
         while done < size:
             chunk = stream.read(min(CHUNK, size - done))
             if not chunk:
                 break
-            out.write(chunk)
+            if err is None:
+                try:
+                    write_all(fd, chunk)
+                except OSError as e:
+                    err = write_error(e, path)
+                    discard(dfd, tmp, fd)  # give the space back now, not after the stream
+                    tmp = fd = None
             h.update(chunk)
             done += len(chunk)
             if child is not None and child_err is None:
@@ -372,32 +425,62 @@ def receive(
             if now - last > 0.25:
                 last = now
                 _emit(lock, f"{PROGRESS}{name} {done}")
-    _emit(lock, f"{PROGRESS}{name} {done}")
-    if child is not None:
-        try:
-            child.stdin.close()
-        except OSError:
-            pass
+        _emit(lock, f"{PROGRESS}{name} {done}")
+        if child is not None:
+            child_err = _finish_next(child, fwd, downstream, chain[0]["name"], child_err)
+        result = {"node": name, "bytes": done, "ok": False, "next_error": child_err}
+        if err is not None:
+            result["kind"], result["error"] = err
+        elif done != size:
+            result["error"] = f"stream ended after {done} of {size} bytes"
+        elif h.hexdigest() != digest:
+            result["error"] = "sha256 mismatch after transfer"
+        else:
+            try:
+                os.fchmod(fd, mode)
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
+                os.close(fd)  # a network file system may say "full" only now
+                fd = None
+                os.replace(tmp, parts[-1], src_dir_fd=dfd, dst_dir_fd=dfd)
+                tmp = None
+                remember(root, rel, digest, os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False))
+                result["ok"] = True
+            except OSError as e:
+                result["kind"], result["error"] = write_error(e, path)
+        return result
+    finally:
+        discard(dfd, tmp, fd)
+        if dfd is not None:
+            os.close(dfd)
+        if child is not None and child.poll() is None:
+            _stop_next(child)
+        _on_stop(saved)
+
+
+def _finish_next(child, fwd, downstream: list, name: str, child_err):
+    """Close the next hop's input and wait for its result; why it failed, if it did."""
+    try:
+        child.stdin.close()
+    except OSError:
+        pass
+    child.wait()
+    if fwd is not None:
+        fwd.join(10)
+    if not downstream:
+        err = child.stderr.read().decode(errors="replace").strip().splitlines()
+        if err or child_err is None:
+            child_err = "{}: {}".format(name, err[-1] if err else f"exit {child.returncode}")
+    return child_err
+
+
+def _stop_next(child) -> None:
+    """This hop failed: the next one sees its input end (and cleans up), or is killed."""
+    try:
+        child.stdin.close()
+    except OSError:
+        pass
+    try:
+        child.wait(10)
+    except subprocess.TimeoutExpired:
+        child.kill()
         child.wait()
-        if fwd is not None:
-            fwd.join(10)
-        if not downstream:
-            err = child.stderr.read().decode(errors="replace").strip().splitlines()
-            if err or child_err is None:
-                child_err = "{}: {}".format(
-                    chain[0]["name"], err[-1] if err else f"exit {child.returncode}"
-                )
-    result = {"node": name, "bytes": done, "ok": False, "next_error": child_err}
-    if done != size:
-        result["error"] = f"stream ended after {done} of {size} bytes"
-    elif h.hexdigest() != digest:
-        result["error"] = "sha256 mismatch after transfer"
-    else:
-        os.chmod(tmp, mode)
-        os.utime(tmp, ns=(mtime_ns, mtime_ns))
-        os.replace(tmp, path)
-        remember(root, rel, digest)
-        result["ok"] = True
-    if not result["ok"] and os.path.exists(tmp):
-        os.unlink(tmp)
-    return result

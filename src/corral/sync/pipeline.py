@@ -33,12 +33,22 @@ from typing import Any
 from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.sshsetup.remote import MARK, call_node, payload, remote_command, ssh_argv
-from corral.sync import nodetree
+from corral.sync import nodedest, nodetree, procs
 from corral.transport.ssh import command_line
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(nodetree.__file__).read_text()
+
+
+def node_source() -> str:
+    """What a node runs for sync: ``nodedest``, then ``nodetree`` (which uses
+    it), as one module there; ``from __future__`` may only open the whole."""
+    dest = Path(nodedest.__file__).read_text()
+    tree = Path(nodetree.__file__).read_text().replace("from __future__ import annotations\n", "", 1)
+    return dest + "\n\n" + tree
+
+
+SOURCE = node_source()
 
 
 def hop_argv(host: Host, *, connect_timeout: int = 10) -> list[str]:
@@ -79,7 +89,7 @@ async def reachable(cluster: Cluster, pairs: Sequence[tuple[Host, Host]]) -> dic
                 a,
                 ssh_argv(cluster, a, remote_command(a.python)),
                 "nodetree",
-                _SOURCE,
+                SOURCE,
                 "probe",
                 {"argv": argv},
                 timeout=30,
@@ -99,6 +109,8 @@ class HopResult:
     error: str | None = None
     #: Why this hop could not pass the data on (the next hop then failed too).
     next_error: str | None = None
+    #: The node's name for the failure ("nospace", "dest-link", ...; "" when unnamed).
+    kind: str = ""
 
 
 async def stream(
@@ -143,7 +155,7 @@ async def stream(
     async def feed() -> None:
         assert proc.stdin is not None
         try:
-            proc.stdin.write(payload("nodetree", _SOURCE, "receive", args, stream=True))
+            proc.stdin.write(payload("nodetree", SOURCE, "receive", args, stream=True))
             fh = await asyncio.to_thread(open, source, "rb")
             try:
                 while True:
@@ -177,8 +189,12 @@ async def stream(
                 )
                 _record(results, json.loads(body))
 
-    _, _, err = await asyncio.gather(feed(), read(), proc.stderr.read())
-    await proc.wait()
+    try:
+        _, _, err = await asyncio.gather(feed(), read(), proc.stderr.read())
+        await proc.wait()
+    except BaseException:  # stopped: the first hop sees its input end and cleans up
+        await procs.reap(proc)
+        raise
     for h in chain:
         if h.name not in results:
             why = err.decode(errors="replace").strip().splitlines()
@@ -199,6 +215,7 @@ def _record(results: dict[str, HopResult], raw: dict[str, Any]) -> None:
         ok=bool(value.get("ok")),
         error=value.get("error"),
         next_error=value.get("next_error"),
+        kind=str(value.get("kind") or ""),
     )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from corral.errors import HostError, UsageError
 from corral.model import Cluster, Host
+from corral.sync import procs
 from corral.transport.ssh import SSHTransport, classify_ssh_failure, quiet_login_hint
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,12 @@ async def send(
                     on_bytes(n - last)
                     last = n
 
-    _, _, err = await asyncio.gather(feed(), progress(), proc.stderr.read())
-    rc = await proc.wait()
+    try:
+        _, _, err = await asyncio.gather(feed(), progress(), proc.stderr.read())
+        rc = await proc.wait()
+    except BaseException:  # Ctrl-C, SIGTERM: rsync and its ssh stop with corral
+        await procs.reap(proc)
+        raise
     if rc != 0:
         raise failure(host, rc, err.decode(errors="replace"))
 
@@ -162,6 +167,17 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
             hint=quiet_login_hint(host.name),
             kind="rsync",
         )
+    full = re.search(r'write failed on "([^"]+)": (No space left on device|Disk quota exceeded)', text)
+    if full:
+        # The receiver's own line: the sender's last word is a "Broken pipe".
+        why = "the disk is full" if full.group(2).startswith("No space") else "the disk quota is exceeded"
+        return HostError(
+            host.name,
+            f"{why}: cannot write {full.group(1)} ({full.group(2)})",
+            hint=f"free space on {host.name} (`df -h` there), or sync to another disk (--to); rsync "
+                 "removed its partial file",
+            kind="nospace",
+        )
     lines = [
         l for l in text.splitlines() if l.strip() and not l.startswith("rsync error: some files")
     ]
@@ -169,8 +185,8 @@ def failure(host: Host, rc: int, stderr: str) -> HostError:
     hint = "check free space and permissions of the destination there"
     if "Permission denied" in text:
         hint = "the login user cannot write there: pick a writable --to, or fix ownership"
-    elif "No space left" in text:
-        hint = "the node's disk is full"
+    elif "No space left" in text or "Disk quota exceeded" in text:
+        hint = f"the disk there is full: free space on {host.name} (`df -h` there), or sync to another disk (--to)"
     elif "Read-only file system" in text:
         hint = ("the destination is on a read-only file system there (a read-only mount, or one the "
                 "kernel remounted read-only after disk errors: `dmesg` on it); pick a writable --to")
