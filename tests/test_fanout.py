@@ -403,3 +403,19 @@ def test_the_cut_is_said_in_folded_json_and_live_output(tmp_path: Path) -> None:
     assert live.stdout.splitlines() == [f"{host}: " + "a" * MAX_LINE + cut_marker(3 * mib - MAX_LINE),
                                         f"{host}: end"]
     assert live.stderr.splitlines()[-1] == f"{host}: " + "z" * MAX_LINE + cut_marker(2 * mib - MAX_LINE)
+
+
+@pytest.mark.sandbox
+def test_nodes_over_ssh_reach_the_terminal_bounded_and_without_controls(sandbox) -> None:
+    from corral.fanout import MAX_OUTPUT
+    from corral.frames import cut_marker
+
+    cmd = HOSTILE + r"; head -c 3M /dev/zero | tr '\0' a"
+    res = subprocess.run(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--", cmd], check=False,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    shown = res.stdout + res.stderr
+    assert "\x1b]" not in shown and "owned" not in shown and "\x1b[31mred" in shown
+    # Every node said the same, cut at the same place: one group.
+    said = len(b"\x1b]52;c;cHduZWQ=\x07\x1b]0;owned\x07\x1b[31mred\x1b[0m ok\n") + 3 * 1024 * 1024
+    assert res.stdout.count("-----\n") == 1 and res.stdout.count(cut_marker(said - MAX_OUTPUT)) == 1
