@@ -264,3 +264,16 @@ def test_an_error_quoting_a_node_reaches_the_terminal_without_its_controls(monke
     text = shown.getvalue()
     assert "gpu2: ssh failed: " in text and "boom" in text
     assert "\x1b]" not in text and "owned" not in text and "cHduZWQ" not in text
+
+
+def test_a_notice_quoting_a_node_reaches_the_terminal_without_its_controls(monkeypatch) -> None:
+    # `corral bench --json` says a finding (which may quote a node) as a notice.
+    import io
+
+    from corral import ui
+
+    shown = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", shown)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    ui.notice("error: gpu2: \x1b]0;owned\x07\x1b]52;c;cHduZWQ=\x1b\\\x1b[31mlink down\x1b[0m")
+    assert shown.getvalue() == "corral: error: gpu2: \x1b[31mlink down\x1b[0m\n"

@@ -66,8 +66,11 @@ def notice(message: str) -> None:
 
     Written without rich: commands print this before their real work starts
     (`corral exec` before its ssh processes), and importing rich there costs
-    more than the line is worth."""
-    sys.stderr.write(f"{paint('corral:', 'dim', stream=sys.stderr)} {message}\n")
+    more than the line is worth.  A note may quote a node (a finding of
+    `bench`, what rsync said): terminal controls but colours are removed."""
+    from corral.frames import terminal_safe
+
+    sys.stderr.write(f"{paint('corral:', 'dim', stream=sys.stderr)} {terminal_safe(message)}\n")
     sys.stderr.flush()
 
 
