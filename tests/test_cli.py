@@ -244,3 +244,36 @@ def test_ssh_check_and_teardown_help_describe_only_what_they_use() -> None:
     teardown = CliRunner().invoke(cli, ["ssh", "teardown", "--help"]).output
     assert "to install" not in teardown and "--password-stdin" in teardown
     assert "to install" in CliRunner().invoke(cli, ["ssh", "setup", "--help"]).output
+
+
+def test_an_error_quoting_a_node_reaches_the_terminal_without_its_controls(monkeypatch) -> None:
+    # ssh's stderr (or a node's fatal message) is quoted in the error; an
+    # OSC 52 there wrote the user's clipboard through print_error (rich
+    # drops BEL but not ESC).
+    import io
+
+    from corral import ui
+    from corral.model import Host
+    from corral.transport.ssh import classify_ssh_failure
+
+    err = classify_ssh_failure(Host(name="gpu2"), 255,
+                               "ssh: \x1b]52;c;cHduZWQ=\x07\x1b]0;owned\x1b\\\x1b[31mboom\x1b[0m")
+    shown = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", shown)
+    ui.print_error(err)
+    text = shown.getvalue()
+    assert "gpu2: ssh failed: " in text and "boom" in text
+    assert "\x1b]" not in text and "owned" not in text and "cHduZWQ" not in text
+
+
+def test_a_notice_quoting_a_node_reaches_the_terminal_without_its_controls(monkeypatch) -> None:
+    # `corral bench --json` says a finding (which may quote a node) as a notice.
+    import io
+
+    from corral import ui
+
+    shown = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", shown)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    ui.notice("error: gpu2: \x1b]0;owned\x07\x1b]52;c;cHduZWQ=\x1b\\\x1b[31mlink down\x1b[0m")
+    assert shown.getvalue() == "corral: error: gpu2: \x1b[31mlink down\x1b[0m\n"

@@ -319,3 +319,103 @@ def test_a_command_reaches_any_login_shell_as_under_ssh(shell: str) -> None:
     under_ssh = login(command)
     assert under_ssh[0] == 0 and under_ssh[1].startswith("one\n") and under_ssh[1].endswith("two\n")
     assert login(line) == under_ssh
+
+
+# ---- what a node prints is untrusted ------------------------------------------------------
+
+#: A command that writes the clipboard (OSC 52), sets the window title (OSC 0)
+#: and prints a colour, on stdout and on stderr.
+HOSTILE = (r"printf '\033]52;c;cHduZWQ=\007\033]0;owned\007\033[31mred\033[0m ok\n'; "
+           r"printf '\033]0;err-title\033\\\033[32mgreen\033[0m err\n' >&2")
+
+
+@pytest.mark.parametrize("fmt", [[], ["--no-fold"]])
+def test_terminal_controls_from_a_node_never_reach_the_terminal(fmt: list[str], tmp_path: Path) -> None:
+    res = subprocess.run(CORRAL + ["exec", *fmt, "--", HOSTILE], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    shown = res.stdout + res.stderr
+    assert "\x1b]" not in shown and "owned" not in shown and "err-title" not in shown
+    # Colours pass, as under pdsh.
+    assert "\x1b[31mred\x1b[0m ok" in res.stdout and "\x1b[32mgreen\x1b[0m err" in shown
+
+
+def test_json_keeps_a_nodes_text_escaped(tmp_path: Path) -> None:
+    res = subprocess.run(CORRAL + ["exec", "--json", "--", HOSTILE], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert "\x1b" not in res.stdout  # JSON escapes it: \u001b
+    [row] = json.loads(res.stdout)
+    assert row["stdout"].startswith("\x1b]52;c;cHduZWQ=\x07") and row["stderr"].startswith("\x1b]0;err-title")
+
+
+def test_endless_output_keeps_a_bounded_head_in_memory(tmp_path: Path) -> None:
+    # pdsh-like, the head kept all of it: 200 MB of output took the head
+    # past 600 MB (bytes, joined, decoded).  Now 1 MiB per stream is kept.
+    from corral.fanout import MAX_OUTPUT
+    from corral.frames import cut_marker
+
+    code = """if True:
+        import json, resource
+        from corral.fanout import run_everywhere
+        from corral.model import Cluster, Host
+        cmd = "head -c 200M /dev/zero | tr '\\\\0' a; echo done >&2"
+        [r] = run_everywhere(Cluster(hosts=(Host(name="localhost", local=True),), source="test"), cmd)
+        print(json.dumps({"stdout": r.stdout, "stderr": r.stderr, "cut": r.stdout_cut, "rc": r.returncode,
+                          "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+    """
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    total = 200 * 1024 * 1024
+    assert out["rc"] == 0 and out["stderr"] == "done\n"
+    assert out["cut"] == total - MAX_OUTPUT
+    assert out["stdout"] == "a" * MAX_OUTPUT + cut_marker(total - MAX_OUTPUT) + "\n"
+    assert out["peak_kib"] < 150 * 1024  # the output was 200 MiB
+
+
+def test_the_cut_is_said_in_folded_json_and_live_output(tmp_path: Path) -> None:
+    from corral.fanout import MAX_OUTPUT
+    from corral.frames import MAX_LINE, cut_marker
+
+    mib = 1024 * 1024
+    cmd = (r"head -c 3M /dev/zero | tr '\0' a; echo; echo end; "
+           r"head -c 2M /dev/zero | tr '\0' z >&2")
+
+    def run(*fmt: str) -> subprocess.CompletedProcess:
+        res = subprocess.run(CORRAL + ["exec", *fmt, "--", cmd], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120, check=False)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return res
+
+    [row] = json.loads(run("--json").stdout)
+    assert (row["stdout_cut"], row["stderr_cut"]) == (3 * mib + 5 - MAX_OUTPUT, 2 * mib - MAX_OUTPUT)
+    assert row["stdout"] == "a" * MAX_OUTPUT + cut_marker(3 * mib + 5 - MAX_OUTPUT) + "\n"
+    assert row["stderr"] == "z" * MAX_OUTPUT + cut_marker(2 * mib - MAX_OUTPUT) + "\n"
+
+    folded = run().stdout
+    assert folded.count("a") == MAX_OUTPUT and folded.count("z") == MAX_OUTPUT
+    assert cut_marker(3 * mib + 5 - MAX_OUTPUT) in folded and cut_marker(2 * mib - MAX_OUTPUT) in folded
+
+    # Live, every line is shown, each cut at MAX_LINE.
+    live = run("--no-fold")
+    host = row["host"]
+    assert live.stdout.splitlines() == [f"{host}: " + "a" * MAX_LINE + cut_marker(3 * mib - MAX_LINE),
+                                        f"{host}: end"]
+    assert live.stderr.splitlines()[-1] == f"{host}: " + "z" * MAX_LINE + cut_marker(2 * mib - MAX_LINE)
+
+
+@pytest.mark.sandbox
+def test_nodes_over_ssh_reach_the_terminal_bounded_and_without_controls(sandbox) -> None:
+    from corral.fanout import MAX_OUTPUT
+    from corral.frames import cut_marker
+
+    cmd = HOSTILE + r"; head -c 3M /dev/zero | tr '\0' a"
+    res = subprocess.run(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--", cmd], check=False,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    shown = res.stdout + res.stderr
+    assert "\x1b]" not in shown and "owned" not in shown and "\x1b[31mred" in shown
+    # Every node said the same, cut at the same place: one group.
+    said = len(b"\x1b]52;c;cHduZWQ=\x07\x1b]0;owned\x07\x1b[31mred\x1b[0m ok\n") + 3 * 1024 * 1024
+    assert res.stdout.count("-----\n") == 1 and res.stdout.count(cut_marker(said - MAX_OUTPUT)) == 1

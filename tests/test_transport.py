@@ -117,3 +117,15 @@ def test_the_ssh_socket_dir_in_the_temp_dir_is_refused_when_another_user_made_it
         assert control_dir() == root / "ssh"
         assert all(os.lstat(d).st_mode & 0o777 == 0o700 and os.lstat(d).st_uid == os.geteuid()
                    for d in (root, root / "ssh"))
+
+
+def test_a_nodes_endless_line_is_quoted_cut_in_an_error() -> None:
+    # `corral exec`'s ssh failure quoted the last line of stderr whole: a
+    # node (or its login shell) printing one 10 MB line made a 10 MB message.
+    from corral.transport.local import LocalTransport
+    from corral.transport.ssh import MAX_QUOTE
+
+    line = "ssh: " + "x" * 10_000_000
+    for err in (classify_ssh_failure(Host(name="gpu2"), 255, line),
+                LocalTransport().failure(Host(name="gpu2", local=True), 1, line)):
+        assert err.message.endswith(f"ssh: {'x' * (MAX_QUOTE - 5)}\u2026[{len(line) - MAX_QUOTE} more characters]")

@@ -11,6 +11,13 @@ The command runs under a tiny POSIX-sh wrapper.  When the head goes away
 kills the channel's whole ssh session: no orphan is left behind on a node,
 without needing Python there.
 
+What a node prints is untrusted and may be endless (``yes``, a binary on
+stdout): the head keeps the first ``MAX_OUTPUT`` bytes of each stream per
+host and counts the rest, which it reads and drops as it arrives; a line
+being assembled for ``on_line`` is kept to ``MAX_LINE``.  So the head's
+memory is bounded per host whatever the node sends, and the cut is said
+(a ``[cut N bytes]`` marker in the text, ``stdout_cut``/``stderr_cut``).
+
 The loop is synchronous (``selectors`` over the ssh processes' pipes), not
 asyncio: ``corral exec`` is raced against pdsh, and asyncio's import, its
 per-process child-watcher thread and one event-loop round trip per spawn
@@ -33,6 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from corral.errors import HostError
+from corral.frames import MAX_LINE, cut_marker
 from corral.model import Cluster, Host
 from corral.transport import transport_for
 from corral.transport.base import Transport
@@ -81,6 +89,12 @@ STDIN_PROBE_SEEN = "corral-exec-stdin-probe"
 #: gets (TERM, 2 s, KILL on the node) before the local ssh is killed.
 CLOSE_GRACE_S = 5.0
 
+#: The most of each stream (stdout, stderr) of one host the head keeps: the
+#: rest is read and dropped as it arrives, and counted.  ``nvidia-smi`` is a
+#: few KiB; a command whose output is the point (a log, a file) belongs in
+#: a file on the node or in ``rsync``, not in the head's memory.
+MAX_OUTPUT = 1024 * 1024
+
 
 @dataclass(frozen=True, kw_only=True)
 class HostResult:
@@ -92,6 +106,10 @@ class HostResult:
     stderr: str = ""
     #: Set when the host could not be reached or the command could not run.
     error: HostError | None = None
+    #: Bytes of stdout / stderr dropped past ``MAX_OUTPUT`` (the text then
+    #: ends with a ``[cut N bytes]`` marker).
+    stdout_cut: int = 0
+    stderr_cut: int = 0
 
     @property
     def ok(self) -> bool:
@@ -134,7 +152,13 @@ class _Job:
         self.transport = transport
         self.proc = proc
         self.chunks: dict[str, list[bytes]] = {"out": [], "err": []}
+        #: Bytes kept in ``chunks`` and bytes dropped past ``MAX_OUTPUT``.
+        self.kept = {"out": 0, "err": 0}
+        self.cut = {"out": 0, "err": 0}
+        #: The line being assembled for ``on_line`` (at most ``MAX_LINE``
+        #: bytes) and how much of it was dropped.
         self.partial: dict[str, bytes] = {"out": b"", "err": b""}
+        self.partial_cut = {"out": 0, "err": 0}
         self.open_streams = 2
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timed_out = False
@@ -158,22 +182,38 @@ class _Job:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
         rc = self.proc.returncode if self.proc.returncode is not None else 255
-        stdout = b"".join(self.chunks["out"]).decode(errors="replace")
-        stderr = SSH_MUX_NOISE.sub("", b"".join(self.chunks["err"]).decode(errors="replace"))
+        stdout = self.text("out")
+        stderr = SSH_MUX_NOISE.sub("", self.text("err"))
         name = self.host.name
+        cut = {"stdout_cut": self.cut["out"], "stderr_cut": self.cut["err"]}
         if self.timed_out:
             error = HostError(name, f"did not finish within {timeout:.0f}s; stopped it",
                               hint="raise --timeout if the command is expected to take longer",
                               kind="timeout")
-            return HostResult(host=name, returncode=124, stdout=stdout, stderr=stderr, error=error)
+            return HostResult(host=name, returncode=124, stdout=stdout, stderr=stderr, error=error, **cut)
         if rc == 97 and STDIN_PROBE_SEEN in stdout and not self.host.local:
             return HostResult(host=name, returncode=255, stderr=stderr,
                               error=shell_read_input(self.host, STDIN_PROBE_SEEN))
         if rc == 255 and not self.host.local:
             # ssh's own failure (the remote command's 255 is rare and reads the same).
             return HostResult(host=name, returncode=rc, stdout=stdout, stderr=stderr,
-                              error=self.transport.failure(self.host, rc, stderr))
-        return HostResult(host=name, returncode=rc, stdout=stdout, stderr=stderr)
+                              error=self.transport.failure(self.host, rc, stderr), **cut)
+        return HostResult(host=name, returncode=rc, stdout=stdout, stderr=stderr, **cut)
+
+    def keep(self, stream: str, data: bytes) -> None:
+        """Keep ``data`` up to ``MAX_OUTPUT`` bytes of the stream; count the rest."""
+        room = MAX_OUTPUT - self.kept[stream]
+        if room > 0:
+            self.chunks[stream].append(data[:room])
+            self.kept[stream] += min(room, len(data))
+        self.cut[stream] += max(0, len(data) - max(room, 0))
+
+    def text(self, stream: str) -> str:
+        """What was kept of the stream, with the marker where it was cut."""
+        text = b"".join(self.chunks[stream]).decode(errors="replace")
+        if self.cut[stream]:
+            text += cut_marker(self.cut[stream]) + "\n"
+        return text
 
 
 def run_everywhere(
@@ -300,18 +340,37 @@ def _read(sel: selectors.BaseSelector, key: selectors.SelectorKey,
         sel.unregister(key.fileobj)
         key.fileobj.close()  # type: ignore[union-attr]
         job.open_streams -= 1
-        if on_line is not None and job.partial[stream]:
-            on_line(job.host.name, stream, job.partial[stream].decode(errors="replace"))
-            job.partial[stream] = b""
+        if on_line is not None and (job.partial[stream] or job.partial_cut[stream]):
+            on_line(job.host.name, stream, _line(job.partial[stream], job.partial_cut[stream]))
+            job.partial[stream], job.partial_cut[stream] = b"", 0
         return
-    job.chunks[stream].append(data)
-    if on_line is not None:
-        *lines, job.partial[stream] = (job.partial[stream] + data).split(b"\n")
-        for line in lines:
-            text = line.decode(errors="replace")
-            if stream == "err" and SSH_MUX_NOISE.match(text):
-                continue
-            on_line(job.host.name, stream, text)
+    job.keep(stream, data)
+    if on_line is None:
+        return
+    if b"\n" not in data:
+        # Most of a long line: add what fits, count the rest (no copy of it).
+        room = MAX_LINE - len(job.partial[stream])
+        if room > 0:
+            job.partial[stream] += data[:room]
+        job.partial_cut[stream] += max(0, len(data) - max(room, 0))
+        return
+    *lines, rest = (job.partial[stream] + data).split(b"\n")
+    first_cut = job.partial_cut[stream]
+    job.partial[stream] = rest[:MAX_LINE]
+    job.partial_cut[stream] = max(0, len(rest) - MAX_LINE)
+    for i, line in enumerate(lines):
+        text = _line(line, first_cut if i == 0 else 0)
+        if stream == "err" and SSH_MUX_NOISE.match(text):
+            continue
+        on_line(job.host.name, stream, text)
+
+
+def _line(line: bytes, dropped: int) -> str:
+    """One line for ``on_line``: at most ``MAX_LINE`` bytes of it, with the
+    marker when more was dropped (before it was assembled, or here)."""
+    dropped += max(0, len(line) - MAX_LINE)
+    text = line[:MAX_LINE].decode(errors="replace")
+    return text + cut_marker(dropped) if dropped else text
 
 
 @contextmanager
@@ -360,4 +419,4 @@ def command_line(words: tuple[str, ...]) -> str:
     return " ".join(words)
 
 
-__all__ = ["HostResult", "command_line", "remote_argv", "run_everywhere"]
+__all__ = ["MAX_OUTPUT", "HostResult", "command_line", "remote_argv", "run_everywhere"]

@@ -42,16 +42,23 @@ def err_console() -> Console:
 
 
 def print_error(err: CorralError) -> None:
-    """The one place a CorralError becomes text: message, then a HINT line."""
+    """The one place a CorralError becomes text: message, then a HINT line.
+
+    A message may quote a node (its fatal message, ssh's stderr, a name it
+    reported): every terminal control but colours is removed here, so no
+    node can set the title, write the clipboard or move the cursor through
+    an error.  (rich itself drops only BEL, BS, VT, FF and CR, not ESC.)"""
     from rich.markup import escape
+
+    from corral.frames import terminal_safe
 
     con = err_console()
     label = {"user": "error", "infrastructure": "error", "workload": "failed"}.get(
         err.category, "error"
     )
-    con.print(f"[bold red]{label}:[/] {escape(err.message)}")
+    con.print(f"[bold red]{label}:[/] {escape(terminal_safe(err.message))}")
     if err.hint:
-        con.print(f"[yellow]HINT:[/] {escape(err.hint)}")
+        con.print(f"[yellow]HINT:[/] {escape(terminal_safe(err.hint))}")
 
 
 def notice(message: str) -> None:
@@ -59,8 +66,11 @@ def notice(message: str) -> None:
 
     Written without rich: commands print this before their real work starts
     (`corral exec` before its ssh processes), and importing rich there costs
-    more than the line is worth."""
-    sys.stderr.write(f"{paint('corral:', 'dim', stream=sys.stderr)} {message}\n")
+    more than the line is worth.  A note may quote a node (a finding of
+    `bench`, what rsync said): terminal controls but colours are removed."""
+    from corral.frames import terminal_safe
+
+    sys.stderr.write(f"{paint('corral:', 'dim', stream=sys.stderr)} {terminal_safe(message)}\n")
     sys.stderr.flush()
 
 

@@ -10,6 +10,7 @@ from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
 from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, UsageError
 from corral.fanout import command_line, run_everywhere
+from corral.frames import terminal_safe
 from corral.gather import group_results
 from corral.transport.ssh import SSH_ERROR
 
@@ -37,7 +38,10 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
     (node[1-3,5]); hosts that answered differently are shown apart.  The
     exit code is the largest of all hosts' (3: a host could not be reached
     or logged in to; 124: --timeout; 130: interrupted).  Ctrl-C stops the
-    command on every node.
+    command on every node.  The first MiB of each host's stdout and
+    stderr are kept (the rest is dropped and counted: "[cut N bytes]").
+    Every terminal control but colours is removed from what reaches the
+    terminal (--json keeps the text as the node sent it, JSON-escaped).
     """
     text = command_line(command).strip()
     if not text:
@@ -47,7 +51,7 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
 
     def live(host: str, stream: str, line: str) -> None:
         target = sys.stdout if stream == "out" else sys.stderr
-        target.write(f"{host}: {line}\n")
+        target.write(f"{host}: {terminal_safe(line)}\n")
         target.flush()
 
     interrupted = False
@@ -62,14 +66,20 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
     if as_json:
         import json
 
+        # The node's text as it sent it: JSON escapes every control character
+        # (ESC is \u001b), so printing this reaches no terminal as a control.
         click.echo(json.dumps([
             {"host": r.host, "returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr,
+             "stdout_cut": r.stdout_cut, "stderr_cut": r.stderr_cut,
              "error": r.error.message if r.error else None, "hint": r.error.hint if r.error else None}
             for r in results
         ], indent=2))
         sys.exit(code)
     # Plain writes, not rich: importing it would add to every exec's wall time.
+    # What a node said (output, an error quoting ssh or the node) is shown
+    # with terminal controls removed but colours.
     paint = ui.paint
+    safe = terminal_safe
     if not no_fold:
         for g in group_results(results):
             said = "ssh failed" if g.error and g.returncode == SSH_ERROR else f"exit {g.returncode}"
@@ -77,11 +87,12 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
             sys.stdout.write(paint(f"----- {g.label} ({len(g.hosts)})", "bold", "cyan") + rc
                              + paint(" -----", "bold", "cyan") + "\n")
             if g.error:
-                sys.stdout.write(paint(g.error, "red") + "\n")
+                sys.stdout.write(paint(safe(g.error), "red") + "\n")
             if g.stdout:
-                sys.stdout.write(g.stdout if g.stdout.endswith("\n") else g.stdout + "\n")
+                out = safe(g.stdout)
+                sys.stdout.write(out if out.endswith("\n") else out + "\n")
             if g.stderr:
-                sys.stdout.write(paint(g.stderr.rstrip("\n"), "dim") + "\n")
+                sys.stdout.write(paint(safe(g.stderr).rstrip("\n"), "dim") + "\n")
             sys.stdout.flush()
     from corral.hostrange import fold
 
@@ -90,7 +101,7 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
         if r.error is not None and r.error.hint:
             hints.setdefault(r.error.hint, []).append(r.host)
     for hint, hosts in list(hints.items())[:3]:  # the same hint once, for all its hosts
-        sys.stderr.write(f"{paint('HINT', 'yellow', stream=sys.stderr)} {fold(hosts)}: {hint}\n")
+        sys.stderr.write(f"{paint('HINT', 'yellow', stream=sys.stderr)} {fold(hosts)}: {safe(hint)}\n")
     failed = [r.host for r in results if not r.ok]
     if interrupted:
         sys.stderr.write("corral: interrupted; the command was stopped on every node\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from corral.errors import HostError
 from corral.model import Host
+from corral.transport.ssh import quote
 
 
 class LocalTransport:
@@ -13,7 +14,7 @@ class LocalTransport:
         return list(remote)
 
     def failure(self, host: Host, returncode: int, stderr: str) -> HostError:
-        last = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit code {returncode}"
+        last = quote(stderr.strip().splitlines()[-1]) if stderr.strip() else f"exit code {returncode}"
         if returncode == 127 or "No such file or directory" in stderr:
             return HostError(
                 host.name,

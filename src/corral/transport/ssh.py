@@ -27,6 +27,9 @@ from corral.model import Cluster, Host
 SSH_ERROR = 255
 #: Keep the master connection this long after the last session ends (seconds).
 CONTROL_PERSIST_S = 60
+#: The most of ssh's or a node's own words an error message quotes
+#: (characters); the rest of a longer line is cut (``quote``).
+MAX_QUOTE = 2000
 #: Sun socket paths are limited to ~108 bytes; ssh appends a random suffix.
 _MAX_CONTROL_DIR = 36  # + "/8hex/" + 40 hex (%C) + ssh's ".XXXXXXXXXXXXXXXX" < 108
 
@@ -288,6 +291,15 @@ _RULES: list[tuple[str, str, str, str]] = [
 ]
 
 
+def quote(line: str) -> str:
+    """A line of ssh's stderr or a node's output, as an error message quotes
+    it: at most ``MAX_QUOTE`` characters, and says how much more there was
+    (a node can print one endless line; the message must stay one line)."""
+    if len(line) <= MAX_QUOTE:
+        return line
+    return f"{line[:MAX_QUOTE]}\u2026[{len(line) - MAX_QUOTE} more characters]"
+
+
 def python_hint(host: Host) -> str:
     """What to do when ``host``'s interpreter is missing or older than the agent needs."""
     return (f"install Python 3.8+ on {host.name}, or point `python` for it in the cluster file "
@@ -305,7 +317,7 @@ def shell_read_input(host: Host, said: str) -> HostError:
     (stdin) as commands: a start-up file replaced it with another shell."""
     return HostError(
         host.name,
-        f"its login shell did not run corral's command: it read corral's input as commands ({said.strip()!r}); "
+        f"its login shell did not run corral's command: it read corral's input as commands ({quote(said.strip())!r}); "
         "a start-up file starts another shell in its place (`exec zsh` in ~/.bashrc, say)",
         hint=f"let that line run only for interactive logins (`case $- in *i*) exec zsh;; esac`), or change "
              f"the login shell with chsh; `ssh {host.name} echo ok` must print ok",
@@ -363,6 +375,6 @@ def classify_ssh_failure(host: Host, returncode: int, stderr: str) -> HostError:
                  f"(or the command itself exited with 255): check that `ssh {host.name} true` works",
             kind="ssh-failed",
         )
-    last = text.splitlines()[-1] if text else f"exit code {returncode}"
+    last = quote(text.splitlines()[-1]) if text else f"exit code {returncode}"
     return HostError(host.name, f"ssh failed: {last}", kind="ssh-failed")
 
