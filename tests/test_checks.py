@@ -559,6 +559,28 @@ def test_report_groups_by_host_set_and_prints_hints(monkeypatch: pytest.MonkeyPa
     assert "1 error(s)" in text
 
 
+def test_a_finding_quoting_a_node_reaches_the_terminal_without_its_controls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node reports its facts (here a torch version carrying an OSC 52
+    clipboard write and an OSC 0 title): the finding that quotes it is shown
+    without them (rich's escape() kept ESC)."""
+    from corral.cli.doctor import render
+    from corral.doctor import DoctorReport
+    from corral.model import Cluster, Host
+
+    data = recorded()
+    data["facts"]["node4"]["packages"]["torch"] = "2.3.1\x1b]52;c;ZXZpbA==\x07\x1b]0;pwned\x07"
+    ev = evidence(data)
+    report = DoctorReport(cluster=Cluster(hosts=tuple(Host(name=h) for h in NODES)), evidence=ev,
+                          findings=tuple(run_checks(ev)), recommended_env=recommend_env(ev))
+    buf = io.StringIO()
+    monkeypatch.setattr(ui, "_out", Console(file=buf, width=200, highlight=False))
+    monkeypatch.setattr(ui, "console", lambda: ui._out)
+    render(report)
+    text = buf.getvalue()
+    assert "node4: torch 2.3.1" in text, text
+    assert "\x1b" not in text and "\x07" not in text, repr(text)
+
+
 def test_findings_are_json_friendly() -> None:
     out = [f.to_json() for f in run_checks(evidence())]
     assert json.loads(json.dumps(out)) == out and out[0]["host_list"]

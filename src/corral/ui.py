@@ -61,6 +61,17 @@ def print_error(err: CorralError) -> None:
         con.print(f"[yellow]HINT:[/] {escape(terminal_safe(err.hint))}")
 
 
+def shown(text: str) -> str:
+    """``text`` made safe for rich markup and for the terminal: what a node
+    reported (a finding's message quoting a host) loses its terminal
+    controls, and rich's markup characters are escaped."""
+    from rich.markup import escape
+
+    from corral.frames import terminal_safe
+
+    return escape(terminal_safe(text))
+
+
 def notice(message: str) -> None:
     """A one-line informational note on stderr (never on stdout, which scripts parse).
 

@@ -168,9 +168,9 @@ def render_links(lb: LinkBench) -> None:
         for (name, s), hs in speeds.items()))
     for f in lb.findings:
         icon = {ERROR: "[bold red]✗[/]", OK: "[green]✓[/]"}.get(f.severity, "[yellow]![/]")
-        con.print(f"  {icon} [bold]{escape(str(f.hosts))}[/] {escape(f.message)}")
+        con.print(f"  {icon} [bold]{escape(str(f.hosts))}[/] {ui.shown(f.message)}")
         if f.hint and f.severity != OK:
-            con.print(f"      [dim]hint:[/] {escape(f.hint)}")
+            con.print(f"      [dim]hint:[/] {ui.shown(f.hint)}")
 
 
 def render_allreduce(ar: AllReduceResult, ev: Evidence) -> None:

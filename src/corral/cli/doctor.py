@@ -138,9 +138,9 @@ def render(report: DoctorReport, *, quiet: bool = False, fixed: FixResult | None
         table.add_column(no_wrap=True, style="bold")
         table.add_column(overflow="fold")
         for f in sorted(shown, key=lambda f: (f.severity != ERROR, f.severity != WARNING)):
-            table.add_row(_ICON[f.severity], escape(str(f.hosts)), escape(f.message))
+            table.add_row(_ICON[f.severity], escape(str(f.hosts)), ui.shown(f.message))
             if f.hint and f.severity != OK:
-                table.add_row("", "", f"[dim]hint:[/] {escape(f.hint)}")
+                table.add_row("", "", f"[dim]hint:[/] {ui.shown(f.hint)}")
         con.print(table)
     _render_env(report, fixed)
     errors, warnings = len(report.errors), len(report.warnings)
