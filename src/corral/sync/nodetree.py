@@ -457,6 +457,17 @@ def receive(
         _on_stop(saved)
 
 
+def _tail(stream, keep: int = 64 * 1024) -> bytes:
+    """All of ``stream`` read, its last ``keep`` bytes kept (the next hop's
+    login shell decides how much it prints)."""
+    tail = b""
+    while True:
+        chunk = stream.read(256 * 1024)
+        if not chunk:
+            return tail
+        tail = (tail + chunk)[-keep:]
+
+
 def _finish_next(child, fwd, downstream: list, name: str, child_err):
     """Close the next hop's input and wait for its result; why it failed, if it did."""
     try:
@@ -467,7 +478,7 @@ def _finish_next(child, fwd, downstream: list, name: str, child_err):
     if fwd is not None:
         fwd.join(10)
     if not downstream:
-        err = child.stderr.read().decode(errors="replace").strip().splitlines()
+        err = _tail(child.stderr).decode(errors="replace").strip().splitlines()
         if err or child_err is None:
             child_err = "{}: {}".format(name, err[-1] if err else f"exit {child.returncode}")
     return child_err

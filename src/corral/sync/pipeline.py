@@ -173,10 +173,15 @@ async def stream(
 
     async def read() -> None:
         assert proc.stdout is not None
-        async for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip("\n")
+        # What the hops print is untrusted: a name outside the chain, a count
+        # that is not one or a line that is not JSON is skipped, not believed.
+        names = {h.name for h in chain}
+        async for raw in procs.bounded_lines(proc.stdout):
+            line = raw.decode(errors="replace").rstrip("\r")
             if line.startswith(nodetree.PROGRESS):
                 name, _, n = line[len(nodetree.PROGRESS) :].partition(" ")
+                if name not in names or not n.isdigit():
+                    continue
                 done = int(n)
                 if on_bytes is not None and done > seen.get(name, 0):
                     on_bytes(name, done - seen.get(name, 0))
@@ -187,10 +192,15 @@ async def stream(
                     if line.startswith(nodetree.HOP)
                     else line[len(MARK) :]
                 )
-                _record(results, json.loads(body))
+                try:
+                    raw_result = json.loads(body)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(raw_result, dict):
+                    _record(results, raw_result, names)
 
     try:
-        _, _, err = await asyncio.gather(feed(), read(), proc.stderr.read())
+        _, _, err = await asyncio.gather(feed(), read(), procs.read_tail(proc.stderr))
         await proc.wait()
     except BaseException:  # stopped: the first hop sees its input end and cleans up
         await procs.reap(proc)
@@ -206,17 +216,23 @@ async def stream(
     return results
 
 
-def _record(results: dict[str, HopResult], raw: dict[str, Any]) -> None:
+def _record(results: dict[str, HopResult], raw: dict[str, Any], names: set[str]) -> None:
+    """A hop's result, for a node of the chain only (the head's own names)."""
     value = raw.get("value")
-    if not isinstance(value, dict) or not value.get("node"):
+    if not isinstance(value, dict) or value.get("node") not in names:
         return
     results[value["node"]] = HopResult(
         node=value["node"],
         ok=bool(value.get("ok")),
-        error=value.get("error"),
-        next_error=value.get("next_error"),
+        error=_text(value.get("error")),
+        next_error=_text(value.get("next_error")),
         kind=str(value.get("kind") or ""),
     )
+
+
+def _text(value: Any) -> str | None:
+    """A hop's reason, as text of a bounded length (or None)."""
+    return None if value is None else str(value)[:2000]
 
 
 def _upstream_error(results: dict[str, HopResult], chain: Sequence[Host], host: Host) -> str | None:

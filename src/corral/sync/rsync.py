@@ -123,7 +123,7 @@ async def send(
                     last = n
 
     try:
-        _, _, err = await asyncio.gather(feed(), progress(), proc.stderr.read())
+        _, _, err = await asyncio.gather(feed(), progress(), procs.read_tail(proc.stderr))
         rc = await proc.wait()
     except BaseException:  # Ctrl-C, SIGTERM: rsync and its ssh stop with corral
         await procs.reap(proc)
