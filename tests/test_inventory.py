@@ -432,3 +432,91 @@ def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_hosts_and_cluster_together_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="-H/--hosts and -c/--cluster"):
         _load(tmp_path, cluster="hosts", hosts="a,b")
+
+
+# ---------------------------------------------------------------- names, sizes, odd files
+
+
+@pytest.mark.parametrize(
+    ("toml", "words"),
+    [
+        ('[[hosts]]\nname = "a"\naddress = "10.0.0.1\\nProxyCommand x"\n', "address '10.0.0.1\\nProxyCommand x' is not"),
+        ('[[hosts]]\nname = "a"\naddress = "-oProxyCommand=x"\n', "address '-oProxyCommand=x' is not"),
+        ('[[hosts]]\nname = "a"\naddress = "*"\n', "address '*' is not"),
+        ('[cluster]\nuser = "root\\n"\n[[hosts]]\nname = "a"\n', "'root\\n' is not a valid user name"),
+        ('[[hosts]]\nname = "a"\nuser = "-l"\n', "'-l' is not a valid user name"),
+        ('[[hosts]]\nname = "a"\nssh_options = ["User=x\\nProxyCommand y"]\n', "is not an ssh option"),
+        ('[[hosts]]\nname = "a"\nslots = 99999999999999999999\n', "slots must be at most 4096"),
+        ('[[hosts]]\nname = "a"\n[hosts.env]\n"A\\n" = "1"\n', "is not a valid environment variable"),
+    ],
+)
+def test_corral_toml_refuses_names_that_would_become_ssh_syntax(
+    tmp_path: Path, toml: str, words: str
+) -> None:
+    (tmp_path / "c.toml").write_text(toml)
+    with pytest.raises(InventoryError) as info:
+        read_corral_toml(tmp_path / "c.toml", label="c.toml")
+    assert words in info.value.message
+    assert info.value.line is not None
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("gpu1 slots=99999999999999999999999999\n", "slots must be at most 4096"),
+        ("gpu1:5000\n", "must be at most 4096"),
+        ("gpu1 cores=" + "9" * 5000 + "\n", "must be a positive integer"),
+        ("x" * 1_000_000 + "\n", "(1000000 characters) is not a valid host name"),
+        ("gpu..1\n", "is not a valid host name"),
+        ("gpu-.lab\n", "is not a valid host name"),
+        ("gpu1:2:3:4\n", "is not a valid host name"),
+    ],
+)
+def test_hostfile_bounds_numbers_and_names(tmp_path: Path, text: str, words: str) -> None:
+    (tmp_path / "h").write_text(text)
+    with pytest.raises(InventoryError) as info:
+        read_hostfile(tmp_path / "h", label="h")
+    assert words in info.value.message
+    assert len(info.value.message) < 400  # a megabyte name is not echoed back
+
+
+def test_more_hosts_than_a_range_may_hold_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "h").write_text("".join(f"n{i}\n" for i in range(65_537)))
+    with pytest.raises(InventoryError, match="h:65537: more than 65536 hosts"):
+        read_hostfile(tmp_path / "h", label="h")
+    with pytest.raises(InventoryError, match="more than 65536 hosts"):
+        parse_hosts_arg("a[1-65536],b")
+    assert len(read_hostfile(FIX / "ranges_hostfile").hosts) == 8
+
+
+def test_ip_literals_and_plain_names_still_pass(tmp_path: Path) -> None:
+    (tmp_path / "h").write_text("fe80::1%eth0 slots=1\n10.0.0.7:2\nmy_box.lab.example.com\n")
+    assert read_hostfile(tmp_path / "h").names == ["fe80::1%eth0", "10.0.0.7", "my_box.lab.example.com"]
+
+
+def test_devices_fifos_and_huge_files_are_refused_without_reading(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # nobody writes: reading it would wait forever
+    for path, words in ((Path("/dev/zero"), "is a device"), (Path("/dev/urandom"), "is a device"),
+                        (fifo, "is a FIFO")):
+        with pytest.raises(InventoryError, match=words):
+            read_cluster_file(path)
+        with pytest.raises(InventoryError, match=words):
+            read_corral_toml(path)
+    big = tmp_path / "big"
+    big.write_bytes(b"# padding\n" * (1 << 20))
+    with pytest.raises(InventoryError, match="larger than 8 MiB"):
+        read_hostfile(big)
+
+
+def test_deeply_nested_toml_is_an_error_not_a_recursion_traceback(tmp_path: Path) -> None:
+    (tmp_path / "deep.toml").write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(InventoryError, match="nested too deeply"):
+        read_corral_toml(tmp_path / "deep.toml", label="deep.toml")
+
+
+def test_a_toml_header_line_of_spaces_is_read_in_linear_time(tmp_path: Path) -> None:
+    # "[" and thousands of spaces: the old header pattern backtracked for minutes
+    (tmp_path / "c.toml").write_text("[" + " " * 5000 + "x\n")
+    with pytest.raises(InventoryError, match="invalid TOML"):
+        read_corral_toml(tmp_path / "c.toml")

@@ -24,7 +24,10 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from corral.errors import InventoryError
 from corral.inventory._common import (
+    MAX_SLOTS,
     DuplicateCheck,
+    at_most,
+    check_address,
     check_env_key,
     check_ssh_option,
     check_user,
@@ -56,6 +59,11 @@ def read_corral_toml(path: Path, *, label: str | None = None) -> Cluster:
     text = read_text(path, label=label, what="cluster file")
     try:
         doc = tomllib.loads(text)
+    except RecursionError:
+        raise InventoryError(
+            "invalid TOML: arrays or tables nested too deeply", path=label,
+            hint="a cluster file needs two levels ([[hosts]] and env); check that this is the right file",
+        ) from None
     except tomllib.TOMLDecodeError as err:
         match = re.search(r"at line (\d+), column (\d+)", str(err))
         message = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(err))
@@ -68,7 +76,9 @@ def read_corral_toml(path: Path, *, label: str | None = None) -> Cluster:
 class _KeyLines:
     """Line numbers of table headers and keys, found in the raw TOML text."""
 
-    _HEADER = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+    # Linear on any line: no two adjacent parts can match the same characters
+    # (`\s*([^\]]+?)\s*` took minutes on "[" and 5,000 spaces).
+    _HEADER = re.compile(r"[ \t]*(\[\[?)([^\]]*)\]\]?[ \t]*(?:#.*)?")
     _SEGMENT = r'(?:[A-Za-z0-9_-]+|"[^"]*"|\'[^\']*\')'
     _KEY = re.compile(rf"^\s*({_SEGMENT}(?:\s*\.\s*{_SEGMENT})*)\s*=")
 
@@ -78,9 +88,9 @@ class _KeyLines:
         arrays: dict[str, int] = {}
         table: tuple[Any, ...] = ()
         for lineno, raw in enumerate(text.splitlines(), start=1):
-            header = self._HEADER.match(raw)
-            if header:
-                parts = self._split(header.group(2))
+            header = self._HEADER.fullmatch(raw)
+            if header and header.group(2).strip():
+                parts = self._split(header.group(2).strip())
                 if header.group(1) == "[[":
                     arrays[parts[0]] = arrays.get(parts[0], -1) + 1
                 table = self._table_path(parts, arrays)
@@ -171,6 +181,9 @@ class _TomlReader:
                 raise self.fail(f"{where} {key} must not be empty", *at, key)
             if want is int and key == "slots" and value <= 0:
                 raise self.fail(f"{where} slots must be a positive integer, got {value}", *at, key)
+            if want is int and key == "slots":
+                at_most(value, MAX_SLOTS, what=f"{where} slots", path=self.label,
+                        line=self.lines.line(*at, key))
             if want is int and key == "port":
                 line = self.lines.line(*at, key)
                 port_number(value, what=f"{where} port", path=self.label, line=line)
@@ -229,9 +242,13 @@ class _TomlReader:
                 raise self.fail(
                     f"labels[{i}] must be a non-empty string, got {label!r}", *at, "labels"
                 )
+        address = entry.get("address")
+        if address is not None:
+            line = self.lines.line(*at, "address")
+            check_address(address, what="address", path=self.label, line=line)
         return make_host(
             name,
-            address=entry.get("address"),
+            address=address,
             port=entry.get("port", cfg.get("port")),
             user=entry.get("user", cfg.get("user")),
             slots=entry.get("slots", cfg.get("slots")),
