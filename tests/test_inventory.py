@@ -481,8 +481,8 @@ def test_hostfile_bounds_numbers_and_names(tmp_path: Path, text: str, words: str
 
 
 def test_more_hosts_than_a_range_may_hold_are_refused(tmp_path: Path) -> None:
-    (tmp_path / "h").write_text("".join(f"n{i}\n" for i in range(65_537)))
-    with pytest.raises(InventoryError, match="h:65537: more than 65536 hosts"):
+    (tmp_path / "h").write_text("n[1-65536] slots=1\nlast slots=1\n")
+    with pytest.raises(InventoryError, match="h:2: more than 65536 hosts"):
         read_hostfile(tmp_path / "h", label="h")
     with pytest.raises(InventoryError, match="more than 65536 hosts"):
         parse_hosts_arg("a[1-65536],b")
@@ -521,3 +521,101 @@ def test_a_toml_header_line_of_spaces_is_read_in_linear_time(tmp_path: Path) -> 
     (tmp_path / "c.toml").write_text('x = """\n[' + " " * 5000 + 'x\n"""\n')
     with pytest.raises(InventoryError, match="unknown key 'x'"):
         read_corral_toml(tmp_path / "c.toml")
+
+
+# ---------------------------------------------------------------- fuzzing the readers
+
+_FUZZ_SEED = 20261127
+_FUZZ_CASES = 300
+#: Bytes a mutation splices in: the syntax of every format, and what breaks parsers.
+_FUZZ_PIECES = [
+    "[", "]", "[[", "]]", "\n", "\r", "\t", " ", ",", "-", "@", ":", "=", "#", '"', "'", "*", "%",
+    "\x00", "\u00e9", "{", "}", ".", "$", "\\", "0", "9" * 30, "[1-99999]", "[0-65535]",
+    "slots=", "port=", "user@", "[[hosts]]\nname = ", "[cluster]\n", "=[" * 300, "[" * 3000,
+    "x" * 5000, " " * 4000, '"""', "\n[hosts.env]\nA = ", "address = ", "[1-2][1-2][1-2]",
+]
+
+
+def _mutate(rng, text: str) -> str:
+    for _ in range(rng.choice((1, 1, 1, 2, 3))):
+        at = rng.randint(0, len(text))
+        op = rng.random()
+        if op < 0.45:
+            text = text[:at] + rng.choice(_FUZZ_PIECES) + text[at:]
+        elif op < 0.65:
+            text = text[:at] + text[at + rng.randint(1, 20):]
+        elif op < 0.85 and text:
+            start = rng.randint(0, len(text) - 1)
+            piece = text[start:start + rng.randint(1, 200)]
+            text = text[:at] + piece * rng.randint(1, 50) + text[at:]
+        else:
+            text = text[:at] + chr(rng.randint(0, 0x2FF)) + text[at:]
+    return text
+
+
+class _CaseTookTooLong(Exception):
+    pass
+
+
+@pytest.mark.timeout(240)
+def test_fuzzed_hostfiles_toml_and_host_lists_give_a_cluster_or_a_corral_error(
+    tmp_path: Path,
+) -> None:
+    """A few hundred mutated inputs, each read in-process: every outcome is a
+    Cluster or a CorralError naming the input; no other exception, no hang
+    (each case gets 10 s of wall clock, then the case is reported)."""
+    import random
+    import signal
+
+    from corral.errors import CorralError
+
+    rng = random.Random(_FUZZ_SEED)
+    files = [p for p in sorted(FIX.iterdir()) if p.is_file()]
+    for p in files:  # [cluster] hostfile = "deepspeed_hostfile" is found next to the case
+        shutil.copy(p, tmp_path / p.name)
+    seeds = {
+        "hosts": ["gpu[01-04]:8,alice@gpu05", "h1:4,h2:4", "a[1-2]-b[3-4]", "10.0.0.1,n2:2"],
+        "hostfile": [p.read_text() for p in files if p.suffix != ".toml"],
+        "toml": [p.read_text() for p in files if p.suffix == ".toml"],
+    }
+    # Mostly valid files (bad_* fixtures fail before the mutation matters).
+    for kind in ("hostfile", "toml"):
+        good = [t for p, t in zip([p for p in files if (p.suffix == ".toml") == (kind == "toml")],
+                                  seeds[kind]) if not p.name.startswith("bad_")]
+        seeds[kind] += good * 4
+    bad: list[str] = []
+    outcomes = {"cluster": 0, "error": 0}
+
+    def alarm(signum: int, frame: object) -> None:
+        raise _CaseTookTooLong
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    try:
+        for i in range(_FUZZ_CASES):
+            kind = ("hosts", "hostfile", "toml")[i % 3]
+            text = _mutate(rng, rng.choice(seeds[kind]))
+            signal.setitimer(signal.ITIMER_REAL, 10.0)
+            try:
+                if kind == "hosts":
+                    found = parse_hosts_arg(text)
+                else:
+                    path = tmp_path / f"case{i}{'.toml' if kind == 'toml' else ''}"
+                    path.write_bytes(text.encode("utf-8", "surrogatepass"))
+                    found = read_cluster_file(path)
+                assert isinstance(found, Cluster) and 0 < len(found.hosts) <= 65536
+                assert all(h.slots is None or 0 < h.slots <= 4096 for h in found.hosts)
+                outcomes["cluster"] += 1
+            except CorralError as err:
+                outcomes["error"] += 1
+                assert err.message
+                continue
+            except _CaseTookTooLong:
+                bad.append(f"case {i} ({kind}) did not finish in 10 s: {text[:300]!r}")
+            except Exception as err:  # noqa: BLE001 - the point of the test
+                bad.append(f"case {i} ({kind}): {type(err).__name__}: {err} on {text[:300]!r}")
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    assert not bad, "\n".join(bad[:10])
+    assert outcomes["cluster"] >= 20 and outcomes["error"] >= 100, outcomes  # both paths exercised
