@@ -619,3 +619,89 @@ def test_fuzzed_hostfiles_toml_and_host_lists_give_a_cluster_or_a_corral_error(
         signal.signal(signal.SIGALRM, old)
     assert not bad, "\n".join(bad[:10])
     assert outcomes["cluster"] >= 20 and outcomes["error"] >= 100, outcomes  # both paths exercised
+
+
+# ---------------------------------------------------------------- trust for ./corral.toml
+
+_CLONED = """[cluster]
+user = "ml"
+
+[[hosts]]
+name = "gpu1"
+ssh_options = [
+  "IdentityFile=~/.ssh/lab",
+  "ProxyCommand=sh -c 'touch /tmp/owned'",
+]
+"""
+
+
+def test_a_found_corral_toml_that_runs_commands_needs_trust_once(tmp_path: Path) -> None:
+    from corral.inventory import trust
+
+    (tmp_path / "corral.toml").write_text(_CLONED)
+    with pytest.raises(UsageError) as info:
+        load_cluster(cluster=None, hosts=None, cwd=tmp_path, environ={})
+    message = info.value.message
+    assert "corral.toml:8: \"ProxyCommand=sh -c 'touch /tmp/owned'\"," in message
+    assert "ssh runs ProxyCommand on this machine" in message
+    assert "IdentityFile" not in message
+    assert "corral hosts --trust" in (info.value.hint or "")
+    # named by the user: no question
+    assert load_cluster(cluster="corral.toml", hosts=None, cwd=tmp_path, environ={})[0].names == ["gpu1"]
+    assert load_cluster(cluster=None, hosts=None, cwd=tmp_path,
+                        environ={"CORRAL_CLUSTER": "corral.toml"})[0].names == ["gpu1"]
+    store = trust.trust(tmp_path / "corral.toml", (tmp_path / "corral.toml").read_bytes())
+    assert store == Path.home() / ".config" / "corral" / "trusted"
+    assert oct(store.stat().st_mode & 0o777) == "0o600"
+    assert load_cluster(cluster=None, hosts=None, cwd=tmp_path, environ={})[0].names == ["gpu1"]
+    (tmp_path / "corral.toml").write_text(_CLONED.replace("owned", "owned2"))  # edited: ask again
+    with pytest.raises(UsageError, match="makes this machine run commands"):
+        load_cluster(cluster=None, hosts=None, cwd=tmp_path, environ={})
+
+
+@pytest.mark.parametrize(
+    ("toml", "line", "why"),
+    [
+        ('[cluster]\nssh_options = ["LocalCommand=x", "PermitLocalCommand=yes"]\n[[hosts]]\nname = "a"\n',
+         2, "ssh runs PermitLocalCommand"),
+        ('[cluster]\nssh_options = ["KnownHostsCommand=/bin/x %H"]\n[[hosts]]\nname = "a"\n',
+         2, "ssh runs KnownHostsCommand"),
+        ('[cluster]\nssh_config = "cfg"\n[[hosts]]\nname = "a"\n', 2, "an ssh config file"),
+        ('[[hosts]]\nname = "localhost"\npython = "./evil.sh"\n', 3, "localhost is this machine"),
+    ],
+)
+def test_every_kind_of_command_line_is_quoted(tmp_path: Path, toml: str, line: int, why: str) -> None:
+    (tmp_path / "cfg").write_text("Match exec \"touch /tmp/x\"\n")
+    (tmp_path / "corral.toml").write_text(toml)
+    with pytest.raises(UsageError) as info:
+        load_cluster(cluster=None, hosts=None, cwd=tmp_path, environ={})
+    assert f"corral.toml:{line}: " in info.value.message and why in info.value.message
+
+
+def test_a_found_corral_toml_that_only_says_where_to_connect_needs_no_trust(tmp_path: Path) -> None:
+    (tmp_path / "corral.toml").write_text(
+        '[cluster]\nssh_options = ["IdentityFile=~/.ssh/lab", "ProxyJump=bastion"]\n'
+        'python = "/opt/venv/bin/python"\n[[hosts]]\nname = "gpu[1-2]"\n'
+        '[[hosts]]\nname = "localhost"\nport = 2222\n'
+    )
+    assert load_cluster(cluster=None, hosts=None, cwd=tmp_path, environ={})[0].names == [
+        "gpu1", "gpu2", "localhost"]
+
+
+def test_a_trust_store_that_is_a_symlink_or_shared_is_not_believed(tmp_path: Path) -> None:
+    from corral.inventory import trust
+
+    (tmp_path / "corral.toml").write_text(_CLONED)
+    data = (tmp_path / "corral.toml").read_bytes()
+    store = trust.store_path()
+    store.parent.mkdir(parents=True)
+    planted = tmp_path / "planted"
+    planted.write_text(f"{trust.digest(data)} {(tmp_path / 'corral.toml').resolve()}\n")
+    store.symlink_to(planted)
+    assert not trust.is_trusted(tmp_path / "corral.toml", data)
+    store.unlink()
+    planted.chmod(0o666)
+    os.replace(planted, store)
+    assert not trust.is_trusted(tmp_path / "corral.toml", data)
+    store.chmod(0o600)
+    assert trust.is_trusted(tmp_path / "corral.toml", data)

@@ -217,7 +217,10 @@ def display_path(path: Path, cwd: Path | None = None) -> str:
 
 def read_text(path: Path, *, label: str, what: str) -> str:
     """Read a cluster file as text (newlines normalised as ``open()`` would)."""
-    data = read_bytes(path, label=label, what=what)
+    return decode_text(read_bytes(path, label=label, what=what), label=label, what=what)
+
+
+def decode_text(data: bytes, *, label: str, what: str) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -234,8 +237,10 @@ def read_bytes(path: Path, *, label: str, what: str) -> bytes:
     so what is read is what was checked.
     """
     try:
-        if not stat.S_ISDIR(os.stat(path).st_mode):
-            _check_regular(os.stat(path), label=label, what=what)
+        info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):
+            raise _directory_error(path, label=label, what=what)
+        _check_regular(info, label=label, what=what)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise InventoryError(
@@ -245,11 +250,12 @@ def read_bytes(path: Path, *, label: str, what: str) -> bytes:
         ) from None
     except OSError as err:
         raise InventoryError(f"cannot read {what}: {err.strerror}", path=label) from None
-    with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fh.fileno())
-        if stat.S_ISDIR(info.st_mode):
-            raise _directory_error(path, label=label, what=what)
-        _check_regular(info, label=label, what=what)
+    try:  # the path may have been swapped since the stat: check what was opened
+        _check_regular(os.fstat(fd), label=label, what=what)
+    except InventoryError:
+        os.close(fd)
+        raise
+    with open(fd, "rb") as fh:
         try:
             data = fh.read(MAX_FILE_BYTES + 1)
         except OSError as err:

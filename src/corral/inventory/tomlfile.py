@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,6 +28,7 @@ from corral.inventory._common import (
     DuplicateCheck,
     at_most,
     check_address,
+    decode_text,
     check_env_key,
     check_ssh_option,
     check_user,
@@ -35,10 +36,14 @@ from corral.inventory._common import (
     expand_names,
     make_host,
     port_number,
+    read_bytes,
     read_text,
 )
 from corral.inventory.hostfile import parse_hostfile
-from corral.model import Cluster, Host
+from corral.model import DEFAULT_PYTHON, Cluster, Host
+
+if TYPE_CHECKING:
+    from corral.inventory.trust import Risk
 
 # key -> expected type, for [cluster] and each [[hosts]] entry.
 CLUSTER_KEYS = {
@@ -53,10 +58,16 @@ TOP_KEYS = {"cluster": dict, "hosts": list}
 _TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table"}
 
 
-def read_corral_toml(path: Path, *, label: str | None = None) -> Cluster:
-    """Read and validate a corral.toml into a Cluster."""
+def read_corral_toml(path: Path, *, label: str | None = None, implicit: bool = False) -> Cluster:
+    """Read and validate a corral.toml into a Cluster.
+
+    ``implicit``: the file was found (./corral.toml), not named; lines that
+    make this machine run commands then need the user's trust
+    (``corral.inventory.trust``), checked against the very bytes read here.
+    """
     label = label or str(path)
-    text = read_text(path, label=label, what="cluster file")
+    data = read_bytes(path, label=label, what="cluster file")
+    text = decode_text(data, label=label, what="cluster file")
     try:
         doc = tomllib.loads(text)
     except RecursionError:
@@ -70,7 +81,23 @@ def read_corral_toml(path: Path, *, label: str | None = None) -> Cluster:
         line = int(match.group(1)) if match else None
         col = f" (column {match.group(2)})" if match else ""
         raise InventoryError(f"invalid TOML: {message}{col}", path=label, line=line) from None
-    return _TomlReader(doc, _KeyLines(text), label=label, base=path.parent).cluster(path)
+    reader = _TomlReader(doc, _KeyLines(text), label=label, base=path.parent)
+    cluster = reader.cluster(path)
+    if implicit:
+        from corral.inventory.trust import require
+
+        require(path, data, reader.risks(cluster, text), label=label)
+    return cluster
+
+
+def _line_with(raw: list[str], start: int | None, needle: str) -> int | None:
+    """The first line from ``start`` on that holds ``needle`` (a multi-line array's item)."""
+    if start is None:
+        return None
+    for lineno in range(start, min(len(raw), start + 200) + 1):
+        if needle in raw[lineno - 1]:
+            return lineno
+    return start
 
 
 class _KeyLines:
@@ -130,6 +157,8 @@ class _TomlReader:
         self.lines = lines
         self.label = label
         self.base = base
+        #: host name -> index of the [[hosts]] table that defined it
+        self.entry_of: dict[str, int] = {}
 
     def fail(self, message: str, *path: Any, hint: str | None = None) -> InventoryError:
         return InventoryError(message, path=self.label, line=self.lines.line(*path), hint=hint)
@@ -232,6 +261,7 @@ class _TomlReader:
                 )
             for name in names:
                 seen.add(name, line)
+                self.entry_of[name] = index
                 hosts.append(self.host(name, entry, cfg, at))
         return hosts
 
@@ -258,6 +288,34 @@ class _TomlReader:
             workdir=self.workdir(entry, at),
             ssh_options=self.ssh_options(entry, at),
         )
+
+    def risks(self, cluster: Cluster, text: str) -> list[Risk]:
+        """Lines that make this machine run something (see ``corral.inventory.trust``)."""
+        from corral.inventory.trust import COMMAND_OPTIONS, Risk
+
+        raw = text.splitlines()
+        out: list[Risk] = []
+        tables = [(("cluster",), self.doc.get("cluster", {}))]
+        tables += [(("hosts", i), e) for i, e in enumerate(self.doc.get("hosts", []))]
+        for at, table in tables:
+            for option in table.get("ssh_options", []):
+                key = option.partition("=")[0]
+                if key.lower() in COMMAND_OPTIONS:
+                    start = self.lines.line(*at, "ssh_options")
+                    out.append(Risk(line=_line_with(raw, start, key),
+                                    why=f"ssh runs {key} on this machine"))
+        if "ssh_config" in self.doc.get("cluster", {}):
+            out.append(Risk(line=self.lines.line("cluster", "ssh_config"),
+                            why="an ssh config file can run commands here "
+                            "(ProxyCommand, LocalCommand, Match exec)"))
+        for host in cluster.hosts:
+            if host.local and host.python != DEFAULT_PYTHON:
+                index = self.entry_of.get(host.name)
+                at = ("hosts", index) if index is not None and "python" in self.doc["hosts"][index] \
+                    else ("cluster",)
+                out.append(Risk(line=self.lines.line(*at, "python"),
+                                why=f"{host.name} is this machine: python runs here"))
+        return list({(r.line, r.why): r for r in out}.values())
 
     def workdir(self, table: dict[str, Any], at: tuple) -> str | None:
         """A node directory: absolute (or ~), since a relative one would be
