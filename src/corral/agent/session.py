@@ -102,6 +102,7 @@ class AgentSession:
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # Ctrl-C reaches the head only; it tears down in order
                 preexec_fn=_pdeathsig,
+                env=self.transport.env(),  # ssh: without the head's LC_* (transport.ssh.client_env)
                 limit=16 * 1024 * 1024,
             )
         except FileNotFoundError as e:

@@ -9,6 +9,10 @@ from corral.model import Host
 class LocalTransport:
     name = "local"
 
+    def env(self) -> None:
+        """This machine's processes inherit the environment as it is."""
+        return None
+
     def argv(self, host: Host, remote: list[str]) -> list[str]:
         return list(remote)
 
