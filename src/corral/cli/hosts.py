@@ -68,8 +68,10 @@ def _trust(cluster_opts: ClusterOptions) -> None:
     from corral.inventory.trust import trust
 
     if cluster_opts.hosts is not None:
-        raise UsageError("--trust is for a cluster file, not a -H list",
-                         hint="corral hosts --trust (./corral.toml) or corral hosts -c FILE --trust")
+        raise UsageError(
+            "--trust is for a cluster file, not a -H list",
+            hint="corral hosts --trust (./corral.toml) or corral hosts -c FILE --trust",
+        )
     path = Path(cluster_opts.cluster or DEFAULT_FILE).expanduser()
     store = trust(path, read_bytes(path, label=str(path), what="cluster file"))
     ui.notice(f"trusted {path} as it is now (recorded in {store})")

@@ -282,7 +282,8 @@ def _check_regular(info: os.stat_result, *, label: str, what: str) -> None:
 def _too_big(label: str, what: str) -> InventoryError:
     return InventoryError(
         f"{what} is larger than {MAX_FILE_BYTES // (1 << 20)} MiB", path=label,
-        hint=f"a cluster file describes at most {MAX_HOSTS} hosts; check that this is the right file",
+        hint=f"a cluster file describes at most {MAX_HOSTS} hosts; "
+        "check that this is the right file",
     )
 
 

@@ -73,7 +73,8 @@ def read_corral_toml(path: Path, *, label: str | None = None, implicit: bool = F
     except RecursionError:
         raise InventoryError(
             "invalid TOML: arrays or tables nested too deeply", path=label,
-            hint="a cluster file needs two levels ([[hosts]] and env); check that this is the right file",
+            hint="a cluster file needs two levels ([[hosts]] and env); "
+            "check that this is the right file",
         ) from None
     except tomllib.TOMLDecodeError as err:
         match = re.search(r"at line (\d+), column (\d+)", str(err))
@@ -311,8 +312,8 @@ class _TomlReader:
         for host in cluster.hosts:
             if host.local and host.python != DEFAULT_PYTHON:
                 index = self.entry_of.get(host.name)
-                at = ("hosts", index) if index is not None and "python" in self.doc["hosts"][index] \
-                    else ("cluster",)
+                own = index is not None and "python" in self.doc["hosts"][index]
+                at = ("hosts", index) if own else ("cluster",)
                 out.append(Risk(line=self.lines.line(*at, "python"),
                                 why=f"{host.name} is this machine: python runs here"))
         return list({(r.line, r.why): r for r in out}.values())
