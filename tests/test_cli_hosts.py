@@ -125,3 +125,27 @@ def test_cluster_options_decorator_passes_options_and_notice(
     assert "cluster: 2 hosts a,b from --hosts" in result.stderr  # the notice, on stderr
     help_text = runner.invoke(probe, ["--help"]).output
     assert "-c, --cluster FILE" in help_text and "-H, --hosts LIST" in help_text
+
+
+def test_a_cloned_corral_toml_runs_no_command_until_trusted(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attack: `git clone` brings a corral.toml whose ProxyCommand would run
+    here on the first plain `corral exec`/`run`.  Refused with the line; after
+    `corral hosts --trust`, it is the user's choice."""
+    marker = tmp_path / "proxycommand-ran"
+    (tmp_path / "corral.toml").write_text(
+        '[[hosts]]\nname = "gpu1"\n'
+        f'ssh_options = ["ProxyCommand=touch {marker}", "ConnectTimeout=2"]\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    refused = runner.invoke(cli, ["exec", "--", "true"])
+    assert refused.exit_code == 2, refused.output
+    assert f'corral.toml:3: ssh_options = ["ProxyCommand=touch {marker}"' in refused.stderr
+    assert "corral hosts --trust" in refused.stderr
+    assert not marker.exists()
+    trusted = runner.invoke(cli, ["hosts", "--trust", "--no-resolve"])
+    assert trusted.exit_code == 0, trusted.output
+    assert "trusted corral.toml as it is now" in trusted.stderr and "gpu1" in trusted.stdout
+    runner.invoke(cli, ["exec", "--", "true"])
+    assert marker.exists()  # trusted: ssh ran the user's ProxyCommand

@@ -140,3 +140,10 @@ def test_hostset_is_ordered_and_prints_folded() -> None:
 def test_hostset_parse_errors_are_value_errors() -> None:
     with pytest.raises(ValueError):
         HostSet.parse("gpu[2-1]")
+
+
+def test_an_expansion_of_long_names_is_refused_before_it_is_built() -> None:
+    # 65,536 names of 6,000 characters: 400 MB and seconds before any name check
+    with pytest.raises(HostRangeError, match=r"\(6013 characters\): a host name would be longer than 253"):
+        expand("x" * 6000 + "[00000-65535]")
+    assert len(expand("n" * 240 + "[1-9999]")[-1]) == 244

@@ -432,3 +432,276 @@ def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_hosts_and_cluster_together_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="-H/--hosts and -c/--cluster"):
         _load(tmp_path, cluster="hosts", hosts="a,b")
+
+
+# ---------------------------------------------------------------- names, sizes, odd files
+
+
+@pytest.mark.parametrize(
+    ("toml", "words"),
+    [
+        ('[[hosts]]\nname = "a"\naddress = "10.0.0.1\\nProxyCommand x"\n', "address '10.0.0.1\\nProxyCommand x' is not"),
+        ('[[hosts]]\nname = "a"\naddress = "-oProxyCommand=x"\n', "address '-oProxyCommand=x' is not"),
+        ('[[hosts]]\nname = "a"\naddress = "*"\n', "address '*' is not"),
+        ('[cluster]\nuser = "root\\n"\n[[hosts]]\nname = "a"\n', "'root\\n' is not a valid user name"),
+        ('[[hosts]]\nname = "a"\nuser = "-l"\n', "'-l' is not a valid user name"),
+        ('[[hosts]]\nname = "a"\nssh_options = ["User=x\\nProxyCommand y"]\n', "is not an ssh option"),
+        ('[[hosts]]\nname = "a"\nslots = 99999999999999999999\n', "slots must be at most 4096"),
+        ('[[hosts]]\nname = "a"\n[hosts.env]\n"A\\n" = "1"\n', "is not a valid environment variable"),
+    ],
+)
+def test_corral_toml_refuses_names_that_would_become_ssh_syntax(
+    tmp_path: Path, toml: str, words: str
+) -> None:
+    (tmp_path / "c.toml").write_text(toml)
+    with pytest.raises(InventoryError) as info:
+        read_corral_toml(tmp_path / "c.toml", label="c.toml")
+    assert words in info.value.message
+    assert info.value.line is not None
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("gpu1 slots=99999999999999999999999999\n", "slots must be at most 4096"),
+        ("gpu1:5000\n", "must be at most 4096"),
+        ("gpu1 cores=" + "9" * 5000 + "\n", "must be a positive integer"),
+        ("x" * 1_000_000 + "\n", "(1000000 characters) is not a valid host name"),
+        ("gpu..1\n", "is not a valid host name"),
+        ("gpu-.lab\n", "is not a valid host name"),
+        ("gpu1:2:3:4\n", "is not a valid host name"),
+    ],
+)
+def test_hostfile_bounds_numbers_and_names(tmp_path: Path, text: str, words: str) -> None:
+    (tmp_path / "h").write_text(text)
+    with pytest.raises(InventoryError) as info:
+        read_hostfile(tmp_path / "h", label="h")
+    assert words in info.value.message
+    assert len(info.value.message) < 400  # a megabyte name is not echoed back
+
+
+def test_more_hosts_than_a_range_may_hold_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "h").write_text("n[1-65536] slots=1\nlast slots=1\n")
+    with pytest.raises(InventoryError, match="h:2: more than 65536 hosts"):
+        read_hostfile(tmp_path / "h", label="h")
+    with pytest.raises(InventoryError, match="more than 65536 hosts"):
+        parse_hosts_arg("a[1-65536],b")
+    assert len(read_hostfile(FIX / "ranges_hostfile").hosts) == 8
+
+
+def test_ip_literals_and_plain_names_still_pass(tmp_path: Path) -> None:
+    (tmp_path / "h").write_text("fe80::1%eth0 slots=1\n10.0.0.7:2\nmy_box.lab.example.com\n")
+    assert read_hostfile(tmp_path / "h").names == ["fe80::1%eth0", "10.0.0.7", "my_box.lab.example.com"]
+
+
+def test_devices_fifos_and_huge_files_are_refused_without_reading(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # nobody writes: reading it would wait forever
+    for path, words in ((Path("/dev/zero"), "is a device"), (Path("/dev/urandom"), "is a device"),
+                        (fifo, "is a FIFO")):
+        with pytest.raises(InventoryError, match=words):
+            read_cluster_file(path)
+        with pytest.raises(InventoryError, match=words):
+            read_corral_toml(path)
+    big = tmp_path / "big"
+    big.write_bytes(b"# padding\n" * (1 << 20))
+    with pytest.raises(InventoryError, match="larger than 8 MiB"):
+        read_hostfile(big)
+
+
+def test_deeply_nested_toml_is_an_error_not_a_recursion_traceback(tmp_path: Path) -> None:
+    (tmp_path / "deep.toml").write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(InventoryError, match="nested too deeply"):
+        read_corral_toml(tmp_path / "deep.toml", label="deep.toml")
+
+
+def test_a_toml_header_line_of_spaces_is_read_in_linear_time(tmp_path: Path) -> None:
+    # "[" and thousands of spaces (valid TOML inside a multi-line string): the
+    # old header pattern backtracked for minutes on it
+    (tmp_path / "c.toml").write_text('x = """\n[' + " " * 5000 + 'x\n"""\n')
+    with pytest.raises(InventoryError, match="unknown key 'x'"):
+        read_corral_toml(tmp_path / "c.toml")
+
+
+# ---------------------------------------------------------------- fuzzing the readers
+
+_FUZZ_SEED = 20261127
+_FUZZ_CASES = 300
+#: Bytes a mutation splices in: the syntax of every format, and what breaks parsers.
+_FUZZ_PIECES = [
+    "[", "]", "[[", "]]", "\n", "\r", "\t", " ", ",", "-", "@", ":", "=", "#", '"', "'", "*", "%",
+    "\x00", "\u00e9", "{", "}", ".", "$", "\\", "0", "9" * 30, "[1-99999]", "[0-65535]",
+    "slots=", "port=", "user@", "[[hosts]]\nname = ", "[cluster]\n", "=[" * 300, "[" * 3000,
+    "x" * 5000, " " * 4000, '"""', "\n[hosts.env]\nA = ", "address = ", "[1-2][1-2][1-2]",
+]
+
+
+def _mutate(rng, text: str) -> str:
+    for _ in range(rng.choice((1, 1, 1, 2, 3))):
+        at = rng.randint(0, len(text))
+        op = rng.random()
+        if op < 0.45:
+            text = text[:at] + rng.choice(_FUZZ_PIECES) + text[at:]
+        elif op < 0.65:
+            text = text[:at] + text[at + rng.randint(1, 20):]
+        elif op < 0.85 and text:
+            start = rng.randint(0, len(text) - 1)
+            piece = text[start:start + rng.randint(1, 200)]
+            text = text[:at] + piece * rng.randint(1, 50) + text[at:]
+        else:
+            text = text[:at] + chr(rng.randint(0, 0x2FF)) + text[at:]
+    return text
+
+
+class _CaseTookTooLong(Exception):
+    pass
+
+
+@pytest.mark.timeout(240)
+def test_fuzzed_hostfiles_toml_and_host_lists_give_a_cluster_or_a_corral_error(
+    tmp_path: Path,
+) -> None:
+    """A few hundred mutated inputs, each read in-process: every outcome is a
+    Cluster or a CorralError naming the input; no other exception, no hang
+    (each case gets 10 s of wall clock, then the case is reported)."""
+    import random
+    import signal
+
+    from corral.errors import CorralError
+
+    rng = random.Random(_FUZZ_SEED)
+    files = [p for p in sorted(FIX.iterdir()) if p.is_file()]
+    for p in files:  # [cluster] hostfile = "deepspeed_hostfile" is found next to the case
+        shutil.copy(p, tmp_path / p.name)
+    seeds = {
+        "hosts": ["gpu[01-04]:8,alice@gpu05", "h1:4,h2:4", "a[1-2]-b[3-4]", "10.0.0.1,n2:2"],
+        "hostfile": [p.read_text() for p in files if p.suffix != ".toml"],
+        "toml": [p.read_text() for p in files if p.suffix == ".toml"],
+    }
+    # Mostly valid files (bad_* fixtures fail before the mutation matters).
+    for kind in ("hostfile", "toml"):
+        good = [t for p, t in zip([p for p in files if (p.suffix == ".toml") == (kind == "toml")],
+                                  seeds[kind]) if not p.name.startswith("bad_")]
+        seeds[kind] += good * 4
+    bad: list[str] = []
+    outcomes = {"cluster": 0, "error": 0}
+
+    def alarm(signum: int, frame: object) -> None:
+        raise _CaseTookTooLong
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    try:
+        for i in range(_FUZZ_CASES):
+            kind = ("hosts", "hostfile", "toml")[i % 3]
+            text = _mutate(rng, rng.choice(seeds[kind]))
+            signal.setitimer(signal.ITIMER_REAL, 10.0)
+            try:
+                if kind == "hosts":
+                    found = parse_hosts_arg(text)
+                else:
+                    path = tmp_path / f"case{i}{'.toml' if kind == 'toml' else ''}"
+                    path.write_bytes(text.encode("utf-8", "surrogatepass"))
+                    found = read_cluster_file(path)
+                assert isinstance(found, Cluster) and 0 < len(found.hosts) <= 65536
+                assert all(h.slots is None or 0 < h.slots <= 4096 for h in found.hosts)
+                outcomes["cluster"] += 1
+            except CorralError as err:
+                outcomes["error"] += 1
+                assert err.message
+                continue
+            except _CaseTookTooLong:
+                bad.append(f"case {i} ({kind}) did not finish in 10 s: {text[:300]!r}")
+            except Exception as err:  # noqa: BLE001 - the point of the test
+                bad.append(f"case {i} ({kind}): {type(err).__name__}: {err} on {text[:300]!r}")
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    assert not bad, "\n".join(bad[:10])
+    assert outcomes["cluster"] >= 20 and outcomes["error"] >= 100, outcomes  # both paths exercised
+
+
+# ---------------------------------------------------------------- trust for ./corral.toml
+
+_CLONED = """[cluster]
+user = "ml"
+
+[[hosts]]
+name = "gpu1"
+ssh_options = [
+  "IdentityFile=~/.ssh/lab",
+  "ProxyCommand=sh -c 'touch /tmp/owned'",
+]
+"""
+
+
+def test_a_found_corral_toml_that_runs_commands_needs_trust_once(tmp_path: Path) -> None:
+    from corral.inventory import trust
+
+    (tmp_path / "corral.toml").write_text(_CLONED)
+    with pytest.raises(UsageError) as info:
+        load_cluster(cluster=None, hosts=None, cwd=tmp_path, environ={})
+    message = info.value.message
+    assert "corral.toml:8: \"ProxyCommand=sh -c 'touch /tmp/owned'\"," in message
+    assert "ssh runs ProxyCommand on this machine" in message
+    assert "IdentityFile" not in message
+    assert "corral hosts --trust" in (info.value.hint or "")
+    # named by the user: no question
+    assert load_cluster(cluster="corral.toml", hosts=None, cwd=tmp_path, environ={})[0].names == ["gpu1"]
+    assert load_cluster(cluster=None, hosts=None, cwd=tmp_path,
+                        environ={"CORRAL_CLUSTER": "corral.toml"})[0].names == ["gpu1"]
+    store = trust.trust(tmp_path / "corral.toml", (tmp_path / "corral.toml").read_bytes())
+    assert store == Path.home() / ".config" / "corral" / "trusted"
+    assert oct(store.stat().st_mode & 0o777) == "0o600"
+    assert load_cluster(cluster=None, hosts=None, cwd=tmp_path, environ={})[0].names == ["gpu1"]
+    (tmp_path / "corral.toml").write_text(_CLONED.replace("owned", "owned2"))  # edited: ask again
+    with pytest.raises(UsageError, match="makes this machine run commands"):
+        load_cluster(cluster=None, hosts=None, cwd=tmp_path, environ={})
+
+
+@pytest.mark.parametrize(
+    ("toml", "line", "why"),
+    [
+        ('[cluster]\nssh_options = ["LocalCommand=x", "PermitLocalCommand=yes"]\n[[hosts]]\nname = "a"\n',
+         2, "ssh runs PermitLocalCommand"),
+        ('[cluster]\nssh_options = ["KnownHostsCommand=/bin/x %H"]\n[[hosts]]\nname = "a"\n',
+         2, "ssh runs KnownHostsCommand"),
+        ('[cluster]\nssh_config = "cfg"\n[[hosts]]\nname = "a"\n', 2, "an ssh config file"),
+        ('[[hosts]]\nname = "localhost"\npython = "./evil.sh"\n', 3, "localhost is this machine"),
+    ],
+)
+def test_every_kind_of_command_line_is_quoted(tmp_path: Path, toml: str, line: int, why: str) -> None:
+    (tmp_path / "cfg").write_text("Match exec \"touch /tmp/x\"\n")
+    (tmp_path / "corral.toml").write_text(toml)
+    with pytest.raises(UsageError) as info:
+        load_cluster(cluster=None, hosts=None, cwd=tmp_path, environ={})
+    assert f"corral.toml:{line}: " in info.value.message and why in info.value.message
+
+
+def test_a_found_corral_toml_that_only_says_where_to_connect_needs_no_trust(tmp_path: Path) -> None:
+    (tmp_path / "corral.toml").write_text(
+        '[cluster]\nssh_options = ["IdentityFile=~/.ssh/lab", "ProxyJump=bastion"]\n'
+        'python = "/opt/venv/bin/python"\n[[hosts]]\nname = "gpu[1-2]"\n'
+        '[[hosts]]\nname = "localhost"\nport = 2222\n'
+    )
+    assert load_cluster(cluster=None, hosts=None, cwd=tmp_path, environ={})[0].names == [
+        "gpu1", "gpu2", "localhost"]
+
+
+def test_a_trust_store_that_is_a_symlink_or_shared_is_not_believed(tmp_path: Path) -> None:
+    from corral.inventory import trust
+
+    (tmp_path / "corral.toml").write_text(_CLONED)
+    data = (tmp_path / "corral.toml").read_bytes()
+    store = trust.store_path()
+    store.parent.mkdir(parents=True)
+    planted = tmp_path / "planted"
+    planted.write_text(f"{trust.digest(data)} {(tmp_path / 'corral.toml').resolve()}\n")
+    store.symlink_to(planted)
+    assert not trust.is_trusted(tmp_path / "corral.toml", data)
+    store.unlink()
+    planted.chmod(0o666)
+    os.replace(planted, store)
+    assert not trust.is_trusted(tmp_path / "corral.toml", data)
+    store.chmod(0o600)
+    assert trust.is_trusted(tmp_path / "corral.toml", data)

@@ -241,6 +241,16 @@ def test_only_named_or_allowlisted_env_travels() -> None:
     assert env["WANDB_API_KEY"] == "k" and "HOME" not in env and "HF_TOKEN" not in env
 
 
+def test_allowlisted_prefixes_do_not_carry_secrets() -> None:
+    head = {"NCCL_AUTH": "a", "TORCH_PRIVATEKEY": "k", "NCCL_AUTH_TOKEN": "t", "CUDA_PASSPHRASE": "p",
+            "TORCH_HUB_APIKEY": "k", "PYTORCH_CREDS": "c", "KMP_SESSION_COOKIE": "c", "GLOO_PASSWD": "p",
+            "NCCL_IB_PKEY": "1", "NCCL_DEBUG": "INFO", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+            "TOKENIZERS_PARALLELISM": "false", "NCCL_IB_HCA": "mlx5", "CUDA_LAUNCH_BLOCKING": "1"}
+    assert env_from_head(head) == {
+        "NCCL_IB_PKEY": "1", "NCCL_DEBUG": "INFO", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+        "TOKENIZERS_PARALLELISM": "false", "NCCL_IB_HCA": "mlx5", "CUDA_LAUNCH_BLOCKING": "1"}
+
+
 def test_cluster_and_host_env_layering() -> None:
     c = Cluster(hosts=(Host(name="a", slots=1, env={"NCCL_SOCKET_IFNAME": "ens1"}), Host(name="b", slots=1)),
                 env={"NCCL_SOCKET_IFNAME": "eth0", "X": "1"})

@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from typing_extensions import Self
 
 from corral.cli import cli
-from corral.errors import HostError
+from corral.errors import HostError, PreflightError
 from corral.hostrange import fold
 from corral.model import Host
 from corral.sshsetup import hostkeys, nodeside, plan, steps
@@ -272,6 +272,50 @@ def test_plan_blocks_for_a_port_2222_cluster() -> None:
     assert out["etc_hosts"] == ["10.0.0.1\tn1 n1.local"]
     bare = plan.matrix_argv(peers[0], bare=True)
     assert bare[-2:] == ["n1", "true"] and "-p" not in bare and "BatchMode=yes" in bare
+
+
+def _one_node(hostnames: list, public_key: str = "ssh-ed25519 AAAAC3Nz corral@n1"):
+    target = hostkeys.Target(
+        host=Host(name="n1"), hostname="10.0.0.1", port=22, user="ml", key_name="10.0.0.1",
+        known_hosts=(), global_known_hosts=(), hash_known_hosts=False,
+    )
+    verdicts = {"n1": hostkeys.HostKeys(target=target, status="known",
+                                        keys=(("ssh-ed25519", "AAAA"),))}
+    return verdicts, {"n1": {"public_key": public_key, "hostnames": hostnames, "has_block": {}}}
+
+
+@pytest.mark.parametrize(
+    "reported",
+    [
+        "*",  # `Host *`: every node's ssh traffic to this one
+        "n1\n    ProxyCommand touch /tmp/pwned",  # a directive of its own
+        "-oProxyCommand=x",
+        "gpu 1",
+        "gpu?",
+        "a,b",
+        "x" * 300,
+    ],
+)
+def test_a_node_reporting_a_bad_host_name_is_refused_before_any_block(reported: str) -> None:
+    verdicts, facts = _one_node(["n1", reported])
+    with pytest.raises(PreflightError) as err:
+        plan.peers(verdicts, facts)
+    assert err.value.problems[0].host == "n1"
+    assert "not a valid host name" in err.value.message
+    assert "nothing was written" in err.value.message
+
+
+def test_a_node_reporting_a_key_with_options_or_two_lines_is_refused() -> None:
+    for key in ("ssh-ed25519 AAAA a\nssh-rsa BBBB b", 'command="sh" ssh-ed25519 AAAA x'):
+        verdicts, facts = _one_node(["n1"], public_key=key)
+        with pytest.raises(PreflightError, match="not one OpenSSH public key line"):
+            plan.peers(verdicts, facts)
+
+
+def test_plain_reported_names_and_fqdns_still_make_blocks() -> None:
+    verdicts, facts = _one_node(["n1", "n1.lab.example.com", "my_box", "10.0.0.1"])
+    peers = plan.peers(verdicts, facts)
+    assert peers[0].aliases == ("n1.lab.example.com", "my_box")
 
 
 # ---------------------------------------------------------------------------
@@ -743,6 +787,34 @@ def test_root_setup_with_etc_hosts_then_deepspeed_pdsh_runner(pw_sandbox) -> Non
         assert {k: v for k, v in after.items() if k.startswith(("/root", "/etc"))} == {
             k: v for k, v in before[n].items() if k.startswith(("/root", "/etc"))
         }
+
+
+_SETHOSTNAME = "import socket, sys; socket.sethostname(sys.argv[1])"
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("evil", ["*", "{victim}\n    ProxyCommand touch {mark}"])
+def test_a_node_that_names_itself_a_pattern_or_a_directive_is_refused(pw_sandbox, evil) -> None:
+    """The attack: one node's host name is `*` (its `Host *` block would take every
+    node's ssh traffic) or carries a newline and a ProxyCommand (which the login
+    check would run on the other nodes).  Setup names that node and writes nothing."""
+    victim = pw_sandbox.nodes[1]
+    mark = f"/tmp/pwned-{uuid.uuid4().hex[:8]}"
+    evil = evil.format(victim=victim, mark=mark)
+    before = {n: node_state(pw_sandbox, n) for n in pw_sandbox.nodes}
+    pw_sandbox.exec(victim, [sys.executable, "-I", "-c", _SETHOSTNAME, evil], check=True)
+    try:
+        assert pw_sandbox.exec(victim, ["hostname"], check=True).stdout.startswith(evil[:1])
+        res = corral("ssh", "setup", "-c", str(pw_sandbox.cluster_file), "--ssh-config",
+                     "--etc-hosts", "--id", "evilname")
+    finally:
+        pw_sandbox.exec(victim, [sys.executable, "-I", "-c", _SETHOSTNAME, victim], check=True)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert f"{victim}: reports its host name as {evil!r}" in res.stderr
+    for n in pw_sandbox.nodes:
+        assert node_state(pw_sandbox, n) == before[n], n
+        assert pw_sandbox.exec(n, ["test", "-e", mark]).returncode != 0
+    assert pw_sandbox.exec(victim, ["hostname"], check=True).stdout.strip() == victim
 
 
 @pytest.mark.sandbox

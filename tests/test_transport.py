@@ -129,3 +129,30 @@ def test_a_nodes_endless_line_is_quoted_cut_in_an_error() -> None:
     for err in (classify_ssh_failure(Host(name="gpu2"), 255, line),
                 LocalTransport().failure(Host(name="gpu2", local=True), 1, line)):
         assert err.message.endswith(f"ssh: {'x' * (MAX_QUOTE - 5)}\u2026[{len(line) - MAX_QUOTE} more characters]")
+
+
+@pytest.mark.sandbox
+def test_the_head_locale_does_not_reach_the_nodes(sandbox, tmp_path) -> None:
+    """The system ssh_config's `SendEnv LANG LC_*` (Debian's default; the nodes'
+    sshd has `AcceptEnv LANG LC_*`) would carry any LC_ variable of the head to
+    the ranks; only the documented environment travels."""
+    import os
+    import sys
+
+    env = dict(os.environ, LC_CORRAL_SMUGGLED="head-value")
+    res = subprocess.run(
+        [sys.executable, "-m", "corral", "exec", "-c", str(sandbox.cluster_file), "--no-fold",
+         "--", "env"],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "PATH=" in res.stdout  # the nodes' environment was printed
+    assert "LC_CORRAL_SMUGGLED" not in res.stdout
+    # and the ranks, started by the node agent over its own ssh connection
+    run = subprocess.run(
+        [sys.executable, "-m", "corral", "run", "-c", str(sandbox.cluster_file), "--launcher",
+         "command", "--fresh-ranks", "--workdir", "/tmp", "env"],
+        capture_output=True, text=True, timeout=180, env=env, check=False, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "CORRAL_RUN_ID=" in run.stdout and "LC_CORRAL_SMUGGLED" not in run.stdout

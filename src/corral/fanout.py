@@ -302,7 +302,8 @@ def _start(cluster: Cluster, host: Host, command: str, timeout: float | None,
         # and the remote wrapper stops the command all the same.  A session of
         # its own keeps the terminal's Ctrl-C away from ssh: the head decides.
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                env=transport.env())
     except OSError as e:
         err = HostError(host.name, f"cannot run {argv[0]!r}: {e.strerror}")
         results[host.name] = HostResult(host=host.name, returncode=255, error=err)

@@ -32,6 +32,9 @@ __all__ = ["MAX_HOSTS", "HostRangeError", "HostSet", "expand", "fold", "split_li
 #: Largest expansion accepted: a typo like ``node[1-1000000]`` must fail fast,
 #: not allocate a million names.
 MAX_HOSTS = 65536
+#: Longest name an expansion may produce (a DNS name's limit): 65,536 names of
+#: 6,000 characters would be 400 MB before any name check could refuse them.
+MAX_NAME = 253
 
 _DIGITS = re.compile(r"\d+")
 
@@ -59,17 +62,17 @@ def split_list(text: str) -> list[str]:
     for i, ch in enumerate(text):
         if ch == "[":
             if depth:
-                raise HostRangeError(f"{text!r}: nested '[' at position {i + 1}")
+                raise HostRangeError(f"{_q(text)}: nested '[' at position {i + 1}")
             depth = 1
         elif ch == "]":
             if not depth:
-                raise HostRangeError(f"{text!r}: ']' without a matching '[' at position {i + 1}")
+                raise HostRangeError(f"{_q(text)}: ']' without a matching '[' at position {i + 1}")
             depth = 0
         elif ch == "," and not depth:
             items.append(text[start:i])
             start = i + 1
     if depth:
-        raise HostRangeError(f"{text!r}: '[' is never closed")
+        raise HostRangeError(f"{_q(text)}: '[' is never closed")
     items.append(text[start:])
     return items
 
@@ -92,10 +95,10 @@ def expand(text: str) -> list[str]:
     for item in split_list(text):
         item = item.strip()
         if not item:
-            raise HostRangeError(f"{text!r}: empty host name in the list (stray comma?)")
+            raise HostRangeError(f"{_q(text)}: empty host name in the list (stray comma?)")
         names.extend(_expand_item(item, text))
         if len(names) > MAX_HOSTS:
-            raise HostRangeError(f"{text!r} expands to more than {MAX_HOSTS} hosts")
+            raise HostRangeError(f"{_q(text)} expands to more than {MAX_HOSTS} hosts")
     return names
 
 
@@ -109,40 +112,48 @@ def _expand_item(item: str, whole: str) -> list[str]:
             values = _expand_group(part[1:-1], whole)
             total *= len(values)
             if total > MAX_HOSTS:
-                raise HostRangeError(f"{whole!r} expands to more than {MAX_HOSTS} hosts")
+                raise HostRangeError(f"{_q(whole)} expands to more than {MAX_HOSTS} hosts")
             choices.append(values)
         elif part:
             if re.search(r"\s", part):
-                raise HostRangeError(f"{whole!r}: host names cannot contain whitespace")
+                raise HostRangeError(f"{_q(whole)}: host names cannot contain whitespace")
             choices.append([part])
+    longest = sum(max(len(v) for v in values) for values in choices)
+    if longest > MAX_NAME and total > 1:  # one name alone: the readers' name check says why
+        raise HostRangeError(f"{_q(whole)}: a host name would be longer than {MAX_NAME} characters")
     return ["".join(combo) for combo in itertools.product(*choices)]
+
+
+def _q(text: str, limit: int = 80) -> str:
+    """``text`` quoted for a message; a megabyte of -H list is not echoed back."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _expand_group(body: str, whole: str) -> list[str]:
     """Expand the inside of one bracket: ``01-03,07`` -> ``01 02 03 07``."""
     if not body.strip():
-        raise HostRangeError(f"{whole!r}: empty brackets '[]'")
+        raise HostRangeError(f"{_q(whole)}: empty brackets '[]'")
     values: list[str] = []
     for rng in body.split(","):
         rng = rng.strip()
         lo, sep, hi = rng.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()) or not lo.isascii() or not hi.isascii():
             raise HostRangeError(
-                f"{whole!r}: bad range {rng!r} inside brackets (expected N or N-M, digits only)"
+                f"{_q(whole)}: bad range {rng!r} inside brackets (expected N or N-M, digits only)"
             )
         if not sep:
             values.append(lo)
             continue
         start, stop = int(lo), int(hi)
         if start > stop:
-            raise HostRangeError(f"{whole!r}: range {rng!r} goes backwards ({start} > {stop})")
+            raise HostRangeError(f"{_q(whole)}: range {rng!r} goes backwards ({start} > {stop})")
         if _padded(hi) and len(hi) != len(lo):
             raise HostRangeError(
-                f"{whole!r}: range {rng!r} mixes zero-padding widths; write both ends "
+                f"{_q(whole)}: range {rng!r} mixes zero-padding widths; write both ends "
                 "with the same number of digits"
             )
         if stop - start >= MAX_HOSTS:
-            raise HostRangeError(f"{whole!r} expands to more than {MAX_HOSTS} hosts")
+            raise HostRangeError(f"{_q(whole)} expands to more than {MAX_HOSTS} hosts")
         width = len(lo) if _padded(lo) else 0
         values.extend(str(n).zfill(width) for n in range(start, stop + 1))
     return values

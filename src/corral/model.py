@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from corral.names import is_address, is_user_name
+
 #: Default interpreter used to run the node agent when a host does not name one.
 DEFAULT_PYTHON = "python3"
 
@@ -47,6 +49,27 @@ class Host:
     local: bool = False
     #: Extra ``ssh -o`` options for this host only, as ``Key=Value`` strings.
     ssh_options: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # The readers raise InventoryError with file and line first; this
+        # guards library users: a name like "-oProxyCommand=..." would be read
+        # by ssh as an option, "*" or a newline as ssh_config syntax.
+        problem = self._problem()
+        if problem:
+            raise ValueError(f"host {self.name[:80]!r}: {problem}")
+
+    def _problem(self) -> str | None:
+        if not self.local and not is_address(self.name):
+            return "not a host name, ssh alias or IP address"
+        if self.address is not None and not is_address(self.address):
+            return f"address {self.address[:80]!r} is not a host name or IP address"
+        if self.user is not None and not is_user_name(self.user):
+            return f"user {self.user[:80]!r} is not a valid user name"
+        if self.port is not None and not (isinstance(self.port, int) and 1 <= self.port <= 65535):
+            return f"port {self.port!r} is not between 1 and 65535"
+        if self.slots is not None and not (isinstance(self.slots, int) and self.slots > 0):
+            return f"slots {self.slots!r} is not a positive integer"
+        return None
 
     @property
     def connect_address(self) -> str:

@@ -34,7 +34,7 @@ from corral.model import Cluster, Host
 from corral.scriptcheck import LightningShape, script_lightning_shape
 
 #: Head variables that travel to every node without being named: settings
-#: that tune the stack, never secrets (see ``_SECRET``) and never per-machine
+#: that tune the stack, never secrets (see ``is_secret_name``) and never per-machine
 #: values (CUDA_VISIBLE_DEVICES is per host: set it in the cluster file).
 ENV_ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "CUDA_", "KMP_")
 ENV_ALLOW_NAMES = frozenset({
@@ -44,11 +44,26 @@ ENV_ALLOW_NAMES = frozenset({
     # offline ones above (`WANDB_MODE=offline torchrun ...`): left behind, a
     # rank calls W&B's servers and, with no key and no terminal, fails
     "WANDB_MODE", "WANDB_DISABLED",
+    # InfiniBand's partition key index: a setting whose name ends in KEY
+    "NCCL_IB_PKEY",
 })
 ENV_NEVER = frozenset({"CUDA_VISIBLE_DEVICES"})
-#: Never forwarded unless named with --env (HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...).
-#: TOKEN as a word: TOKENIZERS_PARALLELISM is a setting, not a token.
-_SECRET = re.compile(r"(?:^|_)TOKEN(?:$|_)|SECRET|PASSW|_KEY$|APIKEY|CREDENTIAL", re.I)
+#: Never forwarded unless named with --env (HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...),
+#: whatever allow-listed prefix they carry (NCCL_AUTH, TORCH_PRIVATEKEY).  Judged
+#: word by word (words split at '_'): TOKENIZERS_PARALLELISM is a setting, not a
+#: token; any word ending in KEY (APIKEY, PRIVATEKEY) or starting with AUTH,
+#: PASS, PRIVATE or CRED is one.
+_SECRET_WORD = re.compile(
+    r"\w*TOKEN|AUTH\w*|PASS\w*|PRIVATE\w*|CRED\w*|COOKIE\w*|\w*KEY"
+    r"|\w*SECRET\w*|\w*PASSW\w*|\w*CREDENTIAL\w*",
+    re.I,
+)
+
+
+def is_secret_name(key: str) -> bool:
+    """Whether an environment variable's name says it holds a secret."""
+    return any(_SECRET_WORD.fullmatch(word) for word in key.split("_") if word)
+
 
 #: Set by corral; a user --env for these is refused (use the dedicated flags).
 CONTRACT = frozenset({"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES", "WORLD_SIZE"})
@@ -163,7 +178,7 @@ def env_from_head(environ: Mapping[str, str]) -> dict[str, str]:
     for key, value in environ.items():
         if key in ENV_ALLOW_NAMES:  # curated settings, whatever their names contain
             out[key] = value
-        elif key in ENV_NEVER or _SECRET.search(key):
+        elif key in ENV_NEVER or is_secret_name(key):
             continue
         elif key.startswith(ENV_ALLOW_PREFIXES):
             out[key] = value

@@ -117,6 +117,7 @@ class AgentSession:
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # Ctrl-C reaches the head only; it tears down in order
                 preexec_fn=_pdeathsig,
+                env=self.transport.env(),  # ssh: without the head's LC_* (transport.ssh.client_env)
             )
         except FileNotFoundError as e:
             raise HostError(self.name, f"cannot run {argv[0]!r}: {e.strerror}",

@@ -29,7 +29,13 @@ from corral.model import Cluster, Host
     help="Fill address, port and user from your ssh config (ssh -G; no network I/O).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (source + one object per host).")
-def hosts(cluster_opts: ClusterOptions, resolve: bool, as_json: bool) -> None:
+@click.option(
+    "--trust", "trust_file", is_flag=True,
+    help="Trust ./corral.toml (or -c FILE) as it is now, so that its ssh options, ssh_config "
+    "or python may run commands on this machine (remembered by sha256 in "
+    "~/.config/corral/trusted; an edit needs --trust again).",
+)
+def hosts(cluster_opts: ClusterOptions, resolve: bool, as_json: bool, trust_file: bool) -> None:
     """Show the resolved cluster: node rank, host, address, port, user, slots.
 
     \b
@@ -38,7 +44,10 @@ def hosts(cluster_opts: ClusterOptions, resolve: bool, as_json: bool) -> None:
       corral hosts -c hostfile           # DeepSpeed/OpenMPI hostfile
       corral hosts -H 'gpu[01-04]:8'     # a list, folded ranges allowed
       corral hosts -c corral.toml --json
+      corral hosts --trust               # a cloned ./corral.toml that runs commands here
     """
+    if trust_file:
+        _trust(cluster_opts)
     cluster = cluster_opts.load(resolve=resolve, notice=False)
     if as_json:
         click.echo(json.dumps(cluster_to_json(cluster), indent=2))
@@ -48,6 +57,24 @@ def hosts(cluster_opts: ClusterOptions, resolve: bool, as_json: bool) -> None:
     con.print(f"[dim]source:[/] {escape(cluster.source)}")
     if cluster.ssh_config:
         con.print(f"[dim]ssh config:[/] {escape(cluster.ssh_config)}")
+
+
+def _trust(cluster_opts: ClusterOptions) -> None:
+    from pathlib import Path
+
+    from corral.errors import UsageError
+    from corral.inventory import DEFAULT_FILE
+    from corral.inventory._common import read_bytes
+    from corral.inventory.trust import trust
+
+    if cluster_opts.hosts is not None:
+        raise UsageError(
+            "--trust is for a cluster file, not a -H list",
+            hint="corral hosts --trust (./corral.toml) or corral hosts -c FILE --trust",
+        )
+    path = Path(cluster_opts.cluster or DEFAULT_FILE).expanduser()
+    store = trust(path, read_bytes(path, label=str(path), what="cluster file"))
+    ui.notice(f"trusted {path} as it is now (recorded in {store})")
 
 
 def cluster_to_json(cluster: Cluster) -> dict[str, Any]:

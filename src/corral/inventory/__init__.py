@@ -119,7 +119,7 @@ def load_cluster(
     if default.is_file():
         from corral.inventory.tomlfile import read_corral_toml
 
-        found = read_corral_toml(default, label=display_path(default, cwd))
+        found = read_corral_toml(default, label=display_path(default, cwd), implicit=True)
         return found, _notice(found, f"{found.source} (found in the current directory)")
     from corral.inventory.slurm import in_slurm_allocation, read_slurm
 

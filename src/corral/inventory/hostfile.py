@@ -28,6 +28,7 @@ from pathlib import Path
 from corral.errors import InventoryError
 from corral.hostrange import HostRangeError, split_list
 from corral.inventory._common import (
+    MAX_SLOTS,
     DuplicateCheck,
     check_user,
     did_you_mean,
@@ -95,7 +96,7 @@ def _parse_line(body: str, *, label: str, line: int) -> list[Host]:
             raise InventoryError(
                 "slots given twice (':N' and 'slots=')", path=label, line=line
             )
-        slots = positive_int(keys["slots"], what="slots", path=label, line=line)
+        slots = positive_int(keys["slots"], what="slots", path=label, line=line, most=MAX_SLOTS)
     max_slots = keys.get("max_slots")
     if max_slots is not None:
         most = positive_int(max_slots, what="max_slots", path=label, line=line)
@@ -173,7 +174,9 @@ def _split_colon_slots(token: str, *, path: str | None, line: int | None) -> tup
     if token.count(":") != 1:
         return token, None
     name, _, slots = token.partition(":")
-    return name, positive_int(slots, what=f"slots after ':' in {token!r}", path=path, line=line)
+    return name, positive_int(
+        slots, what=f"slots after ':' in {token[:80]!r}", path=path, line=line, most=MAX_SLOTS
+    )
 
 
 # ---------------------------------------------------------------------------

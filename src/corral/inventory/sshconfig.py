@@ -123,4 +123,12 @@ def _fill(host: Host, fields: dict[str, str]) -> Host:
         changes["port"] = int(fields["port"])
     if host.user is None and fields.get("user"):
         changes["user"] = fields["user"]
-    return host.with_(**changes) if changes else host
+    if not changes:
+        return host
+    try:
+        return host.with_(**changes)
+    except ValueError as err:  # what ssh_config says goes into argv and ssh files too
+        raise InventoryError(
+            f"your ssh config gives {err}", hint=f"check the Host block for {host.name} "
+            f"(`ssh -G {host.name}` shows what ssh would use)",
+        ) from None

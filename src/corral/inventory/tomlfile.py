@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,7 +24,11 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from corral.errors import InventoryError
 from corral.inventory._common import (
+    MAX_SLOTS,
     DuplicateCheck,
+    at_most,
+    check_address,
+    decode_text,
     check_env_key,
     check_ssh_option,
     check_user,
@@ -32,10 +36,14 @@ from corral.inventory._common import (
     expand_names,
     make_host,
     port_number,
+    read_bytes,
     read_text,
 )
 from corral.inventory.hostfile import parse_hostfile
-from corral.model import Cluster, Host
+from corral.model import DEFAULT_PYTHON, Cluster, Host
+
+if TYPE_CHECKING:
+    from corral.inventory.trust import Risk
 
 # key -> expected type, for [cluster] and each [[hosts]] entry.
 CLUSTER_KEYS = {
@@ -50,25 +58,55 @@ TOP_KEYS = {"cluster": dict, "hosts": list}
 _TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table"}
 
 
-def read_corral_toml(path: Path, *, label: str | None = None) -> Cluster:
-    """Read and validate a corral.toml into a Cluster."""
+def read_corral_toml(path: Path, *, label: str | None = None, implicit: bool = False) -> Cluster:
+    """Read and validate a corral.toml into a Cluster.
+
+    ``implicit``: the file was found (./corral.toml), not named; lines that
+    make this machine run commands then need the user's trust
+    (``corral.inventory.trust``), checked against the very bytes read here.
+    """
     label = label or str(path)
-    text = read_text(path, label=label, what="cluster file")
+    data = read_bytes(path, label=label, what="cluster file")
+    text = decode_text(data, label=label, what="cluster file")
     try:
         doc = tomllib.loads(text)
+    except RecursionError:
+        raise InventoryError(
+            "invalid TOML: arrays or tables nested too deeply", path=label,
+            hint="a cluster file needs two levels ([[hosts]] and env); "
+            "check that this is the right file",
+        ) from None
     except tomllib.TOMLDecodeError as err:
         match = re.search(r"at line (\d+), column (\d+)", str(err))
         message = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(err))
         line = int(match.group(1)) if match else None
         col = f" (column {match.group(2)})" if match else ""
         raise InventoryError(f"invalid TOML: {message}{col}", path=label, line=line) from None
-    return _TomlReader(doc, _KeyLines(text), label=label, base=path.parent).cluster(path)
+    reader = _TomlReader(doc, _KeyLines(text), label=label, base=path.parent)
+    cluster = reader.cluster(path)
+    if implicit:
+        from corral.inventory.trust import require
+
+        require(path, data, reader.risks(cluster, text), label=label)
+    return cluster
+
+
+def _line_with(raw: list[str], start: int | None, needle: str) -> int | None:
+    """The first line from ``start`` on that holds ``needle`` (a multi-line array's item)."""
+    if start is None:
+        return None
+    for lineno in range(start, min(len(raw), start + 200) + 1):
+        if needle in raw[lineno - 1]:
+            return lineno
+    return start
 
 
 class _KeyLines:
     """Line numbers of table headers and keys, found in the raw TOML text."""
 
-    _HEADER = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+    # Linear on any line: no two adjacent parts can match the same characters
+    # (`\s*([^\]]+?)\s*` took minutes on "[" and 5,000 spaces).
+    _HEADER = re.compile(r"[ \t]*(\[\[?)([^\]]*)\]\]?[ \t]*(?:#.*)?")
     _SEGMENT = r'(?:[A-Za-z0-9_-]+|"[^"]*"|\'[^\']*\')'
     _KEY = re.compile(rf"^\s*({_SEGMENT}(?:\s*\.\s*{_SEGMENT})*)\s*=")
 
@@ -78,9 +116,9 @@ class _KeyLines:
         arrays: dict[str, int] = {}
         table: tuple[Any, ...] = ()
         for lineno, raw in enumerate(text.splitlines(), start=1):
-            header = self._HEADER.match(raw)
-            if header:
-                parts = self._split(header.group(2))
+            header = self._HEADER.fullmatch(raw)
+            if header and header.group(2).strip():
+                parts = self._split(header.group(2).strip())
                 if header.group(1) == "[[":
                     arrays[parts[0]] = arrays.get(parts[0], -1) + 1
                 table = self._table_path(parts, arrays)
@@ -120,6 +158,8 @@ class _TomlReader:
         self.lines = lines
         self.label = label
         self.base = base
+        #: host name -> index of the [[hosts]] table that defined it
+        self.entry_of: dict[str, int] = {}
 
     def fail(self, message: str, *path: Any, hint: str | None = None) -> InventoryError:
         return InventoryError(message, path=self.label, line=self.lines.line(*path), hint=hint)
@@ -171,6 +211,9 @@ class _TomlReader:
                 raise self.fail(f"{where} {key} must not be empty", *at, key)
             if want is int and key == "slots" and value <= 0:
                 raise self.fail(f"{where} slots must be a positive integer, got {value}", *at, key)
+            if want is int and key == "slots":
+                at_most(value, MAX_SLOTS, what=f"{where} slots", path=self.label,
+                        line=self.lines.line(*at, key))
             if want is int and key == "port":
                 line = self.lines.line(*at, key)
                 port_number(value, what=f"{where} port", path=self.label, line=line)
@@ -219,6 +262,7 @@ class _TomlReader:
                 )
             for name in names:
                 seen.add(name, line)
+                self.entry_of[name] = index
                 hosts.append(self.host(name, entry, cfg, at))
         return hosts
 
@@ -229,9 +273,13 @@ class _TomlReader:
                 raise self.fail(
                     f"labels[{i}] must be a non-empty string, got {label!r}", *at, "labels"
                 )
+        address = entry.get("address")
+        if address is not None:
+            line = self.lines.line(*at, "address")
+            check_address(address, what="address", path=self.label, line=line)
         return make_host(
             name,
-            address=entry.get("address"),
+            address=address,
             port=entry.get("port", cfg.get("port")),
             user=entry.get("user", cfg.get("user")),
             slots=entry.get("slots", cfg.get("slots")),
@@ -241,6 +289,34 @@ class _TomlReader:
             workdir=self.workdir(entry, at),
             ssh_options=self.ssh_options(entry, at),
         )
+
+    def risks(self, cluster: Cluster, text: str) -> list[Risk]:
+        """Lines that make this machine run something (see ``corral.inventory.trust``)."""
+        from corral.inventory.trust import COMMAND_OPTIONS, Risk
+
+        raw = text.splitlines()
+        out: list[Risk] = []
+        tables = [(("cluster",), self.doc.get("cluster", {}))]
+        tables += [(("hosts", i), e) for i, e in enumerate(self.doc.get("hosts", []))]
+        for at, table in tables:
+            for option in table.get("ssh_options", []):
+                key = option.partition("=")[0]
+                if key.lower() in COMMAND_OPTIONS:
+                    start = self.lines.line(*at, "ssh_options")
+                    out.append(Risk(line=_line_with(raw, start, key),
+                                    why=f"ssh runs {key} on this machine"))
+        if "ssh_config" in self.doc.get("cluster", {}):
+            out.append(Risk(line=self.lines.line("cluster", "ssh_config"),
+                            why="an ssh config file can run commands here "
+                            "(ProxyCommand, LocalCommand, Match exec)"))
+        for host in cluster.hosts:
+            if host.local and host.python != DEFAULT_PYTHON:
+                index = self.entry_of.get(host.name)
+                own = index is not None and "python" in self.doc["hosts"][index]
+                at = ("hosts", index) if own else ("cluster",)
+                out.append(Risk(line=self.lines.line(*at, "python"),
+                                why=f"{host.name} is this machine: python runs here"))
+        return list({(r.line, r.why): r for r in out}.values())
 
     def workdir(self, table: dict[str, Any], at: tuple) -> str | None:
         """A node directory: absolute (or ~), since a relative one would be

@@ -79,7 +79,7 @@ class SetupReport:
 
 def default_cluster_id(cluster: Cluster) -> str:
     """The cluster's name, else a hash of its host names (stable across runs)."""
-    if cluster.name and nodeside._ID_RE.match(cluster.name):
+    if cluster.name and nodeside._ID_RE.fullmatch(cluster.name):
         return cluster.name
     digest = hashlib.sha256("\n".join(sorted(cluster.names)).encode()).hexdigest()[:10]
     return f"c{digest}"
@@ -115,6 +115,9 @@ async def setup(cluster: Cluster, options: SetupOptions, asker: Asker) -> SetupR
         )
         try:
             asker.step("logging in to every node")
+            # What the nodes report (their host names) is checked before any
+            # node changes: a first, read-only inspect; then the real one,
+            # which generates the keys nodes lack.
             facts = await log_in(
                 session,
                 cluster,
@@ -122,9 +125,15 @@ async def setup(cluster: Cluster, options: SetupOptions, asker: Asker) -> SetupR
                 options,
                 asker,
                 fn="inspect",
-                args={"cluster_id": cid, "dry_run": options.dry_run},
+                args={"cluster_id": cid, "dry_run": True},
             )
             _check_etc_hosts(cluster, facts, options)
+            plan.peers(verdicts, facts)
+            if not options.dry_run:
+                facts = await all_or_raise(
+                    list(cluster.hosts),
+                    lambda h: session.call(h, "inspect", {"cluster_id": cid, "dry_run": False}),
+                )
             all_peers = plan.peers(verdicts, facts)
             facts_with_key = {
                 n: {**f, "public_key": f.get("public_key") or f"(new key of {n})"}

@@ -29,7 +29,7 @@ import threading
 MANIFEST = "corral-manifest.json"
 KEY_NAME = "id_ed25519"
 ETC_HOSTS = "/etc/hosts"
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: `$` takes a "\n"
 #: Files a setup may hold a block in: kind -> (path relative to ~ or absolute, mode if created).
 FILES = {
     "authorized_keys": (".ssh/authorized_keys", 0o600),
@@ -60,7 +60,7 @@ def end_marker(cid: str) -> str:
 
 
 def check_id(cid: str) -> str:
-    if not _ID_RE.match(cid):
+    if not isinstance(cid, str) or not _ID_RE.fullmatch(cid):
         raise NodeError(f"bad cluster id {cid!r}: use letters, digits, '.', '_' and '-'", "usage")
     return cid
 

@@ -9,10 +9,12 @@ peer.  Every node gets the same blocks: they describe the whole cluster.
 
 from __future__ import annotations
 
-import ipaddress
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from corral.errors import HostError, PreflightError
+from corral.names import HOST_NAME_RULE, is_address, is_host_name, is_ip, is_user_name
 from corral.sshsetup.hostkeys import HostKeys, address_of, known_hosts_lines
 
 #: Seconds a node waits for one peer login in the matrix.
@@ -39,33 +41,91 @@ class Peer:
         return list(dict.fromkeys(n for n in out if n))
 
 
-def is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-        return True
-    except ValueError:
-        return False
+#: Host names a node may report (``hostname``, its fqdn): a handful, not a list to loop on.
+MAX_REPORTED_NAMES = 8
+#: One public key line: type, base64 blob, optional comment; no options, one line.
+_PUBLIC_KEY = re.compile(r"(?:ssh|ecdsa|sk)-[A-Za-z0-9@.-]{1,64} [A-Za-z0-9+/]{1,16384}={0,3}"
+                         r"(?: [^\x00-\x1f\x7f]{0,1024})?")
 
 
 def peers(verdicts: Mapping[str, HostKeys], facts: Mapping[str, dict]) -> list[Peer]:
-    """Every host as a ``Peer``, in cluster order (``verdicts`` keeps it)."""
+    """Every host as a ``Peer``, in cluster order (``verdicts`` keeps it).
+
+    Raises ``PreflightError`` naming every node whose report (host names,
+    public key) or resolved address, port or user would not be safe to write
+    into ssh_config, known_hosts, authorized_keys or /etc/hosts.
+    """
     out = []
+    problems: list[HostError] = []
     for name, verdict in verdicts.items():
         target = verdict.target
-        own = [
-            n for n in facts.get(name, {}).get("hostnames", []) if n and n != name and not is_ip(n)
-        ]
+        fact = facts.get(name, {})
+        address = address_of(target)
+        problems += check_report(name, verdict, fact, address)
+        reported = fact.get("hostnames", [])
+        own = [n for n in reported if n and n != name and not is_ip(n)] if isinstance(
+            reported, list) else []
         out.append(
             Peer(
                 name=name,
-                address=address_of(target),
+                address=address,
                 port=target.port,
                 user=target.host.user,
                 aliases=tuple(dict.fromkeys(own)),
                 keys=verdict.keys,
             )
         )
+    if problems:
+        raise PreflightError(problems, what="checking what the nodes reported")
     return out
+
+
+def check_report(name: str, verdict: HostKeys, fact: dict, address: str | None) -> list[HostError]:
+    """What a node reported that is not a plain name or key, as problems naming it.
+
+    A node's host names come from the node (``socket.gethostname()`` there):
+    ``*`` written as ``Host *`` in every node's ssh config would send all
+    their ssh traffic to it, and a name with a newline would add directives
+    (``ProxyCommand``) that the login check then runs.  Nothing is cleaned
+    up or skipped silently: the node is named and the user fixes it, and
+    ``peers`` raises before any block is planned.
+    """
+    target = verdict.target
+    out: list[HostError] = []
+
+    def bad(message: str, hint: str) -> None:
+        out.append(HostError(name, message, hint=hint, kind="bad-report"))
+
+    if not is_address(name):
+        bad(f"{_shown(name)} is not a host name corral writes into ssh files",
+            f"name the host in the cluster file with {HOST_NAME_RULE}")
+    reported = fact.get("hostnames", [])
+    if not isinstance(reported, list) or len(reported) > MAX_REPORTED_NAMES:
+        bad("reported a malformed list of host names", "check the node's python3 and hostname")
+        reported = []
+    for own in reported:
+        if not is_host_name(own) and not is_ip(own):
+            bad(f"reports its host name as {_shown(own)}, which is not a valid host name; "
+                "nothing was written to any node's ssh config, known_hosts or /etc/hosts",
+                f"set a valid host name on {name} (`hostnamectl set-hostname NAME`: "
+                f"{HOST_NAME_RULE}), or leave {name} out of the cluster")
+    if address is not None and not is_ip(address):
+        bad(f"resolves to {_shown(address)}, which is not an IP address",
+            "check its HostName in your ssh config and its DNS entry")
+    if not isinstance(target.port, int) or not 1 <= target.port <= 65535:
+        bad(f"port {target.port!r} is not a TCP port", "check Port in your ssh config")
+    user = target.host.user
+    if user is not None and not is_user_name(user):
+        bad(f"user {_shown(user)} is not a valid user name", "check User in your ssh config")
+    key = fact.get("public_key")
+    if key is not None and not (isinstance(key, str) and _PUBLIC_KEY.fullmatch(key.strip())):
+        bad(f"reported a public key that is not one OpenSSH public key line: {_shown(str(key))}",
+            f"check ~/.ssh/id_ed25519.pub on {name}")
+    return out
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def authorized_keys(head_key: str, facts: Mapping[str, dict]) -> list[str]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from corral.errors import HostError
 from corral.model import Cluster, Host
-from corral.transport.ssh import SSHTransport, classify_ssh_failure, python_hint
+from corral.transport.ssh import SSHTransport, classify_ssh_failure, client_env, python_hint
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ async def call_node(
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env=env,
+            env=client_env(env),  # not the head's locale (SendEnv LANG LC_*)
             start_new_session=True,  # no tty: ssh never prompts on ours
         )
     except FileNotFoundError as e:

@@ -18,6 +18,10 @@ class Transport(Protocol):
         """argv to exec on the head so that ``remote`` runs on ``host``."""
         ...
 
+    def env(self) -> dict[str, str] | None:
+        """Environment to spawn ``argv`` with (None: inherit corral's)."""
+        ...
+
     def failure(self, host: Host, returncode: int, stderr: str) -> HostError:
         """Name why running something on ``host`` failed, from its exit and stderr."""
         ...

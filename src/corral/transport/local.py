@@ -10,6 +10,10 @@ from corral.transport.ssh import quote
 class LocalTransport:
     name = "local"
 
+    def env(self) -> None:
+        """This machine's processes inherit the environment as it is."""
+        return None
+
     def argv(self, host: Host, remote: list[str]) -> list[str]:
         return list(remote)
 

@@ -16,7 +16,7 @@ import hashlib
 import os
 import re
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from corral.agent.private import UnsafePlace, private_dir, runtime_dir
@@ -32,6 +32,20 @@ CONTROL_PERSIST_S = 60
 MAX_QUOTE = 2000
 #: Sun socket paths are limited to ~108 bytes; ssh appends a random suffix.
 _MAX_CONTROL_DIR = 36  # + "/8hex/" + 40 hex (%C) + ssh's ".XXXXXXXXXXXXXXXX" < 108
+
+
+def client_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment to start the ssh client with: ``environ`` without the locale.
+
+    The system ssh_config of Debian, Ubuntu and Fedora says ``SendEnv LANG
+    LC_*`` and their sshd ``AcceptEnv LANG LC_*``, so every ``LC_``
+    variable of the head (and LANG) would reach the ranks, outside the
+    documented environment.  ``-o SendEnv=-LC_*`` cannot undo it: ssh reads
+    the config files after the command line, and they add the patterns back.
+    ssh only sends what it has, so it is not given them.
+    """
+    source = os.environ if environ is None else environ
+    return {k: v for k, v in source.items() if k != "LANG" and not k.startswith("LC_")}
 
 
 def control_dir() -> Path:
@@ -156,6 +170,10 @@ class SSHTransport:
         argv += ["-T", "-x", "-a"]  # no tty, no X11, no agent forwarding
         argv.append(host.name)
         return argv
+
+    def env(self) -> dict[str, str]:
+        """The environment to spawn ``argv`` with (see ``client_env``)."""
+        return client_env()
 
     def argv(self, host: Host, remote: list[str]) -> list[str]:
         # ssh joins its arguments with spaces and hands them to the remote
