@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-import pytest
 
 from corral.logs import RunLogs
 
