@@ -66,6 +66,19 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 
 
 @pytest.fixture
+def torch_extensions(request: pytest.FixtureRequest) -> Path:
+    """Where DeepSpeed's CPU tests JIT-compile its shared-memory comm op (~1 min):
+    the checkout's pytest cache, shared by those tests and by the sandbox
+    nodes.  A build killed half-way (a timed-out test) leaves torch's ``lock``
+    file behind, and every later build waits on it for ever: this session is
+    the only builder there, so a lock found before it starts is stale."""
+    path = request.config.cache.mkdir("torch_extensions")
+    for lock in path.glob("*/*/lock"):
+        lock.unlink(missing_ok=True)
+    return path
+
+
+@pytest.fixture
 def python_exe() -> str:
     """The interpreter running the tests (has torch installed for run tests)."""
     return sys.executable

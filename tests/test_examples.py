@@ -224,9 +224,7 @@ def test_accelerate_example_refuses_to_train_alone_on_cpu(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_deepspeed_example_under_its_per_node_launcher(
-    tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+def test_deepspeed_example_under_its_per_node_launcher(tmp_path: Path, torch_extensions: Path) -> None:
     # What the `deepspeed` runner executes on each node: launch.py with a base64 world_info.
     world_info = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
     argv = [
@@ -246,8 +244,7 @@ def test_deepspeed_example_under_its_per_node_launcher(
     ]
     # On CPU DeepSpeed JIT-compiles a shared-memory comm op (~1 min) into TORCH_EXTENSIONS_DIR,
     # or into $HOME/.cache, which is a fresh directory per test: keep it in pytest's cache.
-    ext_dir = request.config.cache.mkdir("torch_extensions")
-    res = run(argv, tmp_path, env={"TORCH_EXTENSIONS_DIR": str(ext_dir)}, timeout=540)
+    res = run(argv, tmp_path, env={"TORCH_EXTENSIONS_DIR": str(torch_extensions)}, timeout=540)
     assert_learned(res)
 
 

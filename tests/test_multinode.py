@@ -187,12 +187,12 @@ LAUNCHERS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_each_launchers_own_script_runs_unchanged(sandbox, launcher: str, request) -> None:
+def test_each_launchers_own_script_runs_unchanged(sandbox, launcher: str, torch_extensions) -> None:
     extra = []
     if launcher == "deepspeed":
         # DeepSpeed JIT-compiles a CPU comm op once; share test_examples' build (the
         # repository path is visible on every sandbox node).
-        extra = ["--env", f"TORCH_EXTENSIONS_DIR={request.config.cache.mkdir('torch_extensions')}"]
+        extra = ["--env", f"TORCH_EXTENSIONS_DIR={torch_extensions}"]
     res = corral(sandbox, ["--launcher", launcher, *extra, *LAUNCHERS[launcher]], REPO, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     m = re.search(r"first loss ([\d.]+) \| final loss ([\d.]+)", res.stdout)

@@ -737,7 +737,7 @@ def test_wrong_password_names_the_hosts(pw_sandbox, tmp_path: Path) -> None:
 
 
 @pytest.mark.sandbox
-def test_root_setup_with_etc_hosts_then_deepspeed_pdsh_runner(pw_sandbox) -> None:
+def test_root_setup_with_etc_hosts_then_deepspeed_pdsh_runner(pw_sandbox, torch_extensions) -> None:
     """Root already has the head's key ("or already by key"); nodes know nothing
     of each other.  After setup, DeepSpeed's own runner (pdsh -R ssh) launches a
     3-node gloo job from the first node with no manual step."""
@@ -765,6 +765,10 @@ def test_root_setup_with_etc_hosts_then_deepspeed_pdsh_runner(pw_sandbox) -> Non
         d.mkdir(parents=True, exist_ok=True)
         (d / "tiny.py").write_text(script)
         (d / "hostfile").write_text(hostfile)
+        # DeepSpeed's runner exports ./.deepspeed_env to every node: its CPU comm op is
+        # built once, in the checkout's cache (visible on every node), not in the
+        # machine's ~/.cache, where a build killed half-way leaves a lock for ever.
+        (d / ".deepspeed_env").write_text(f"TORCH_EXTENSIONS_DIR={torch_extensions}\n")
     ds = str(Path(sys.executable).with_name("deepspeed"))
     run = pw_sandbox.exec(
         pw_sandbox.nodes[0],
