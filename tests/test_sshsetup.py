@@ -866,3 +866,47 @@ def test_ssh_check_on_a_name_that_does_not_resolve_says_so() -> None:
     problem = json.loads(res.stdout)["error"]["problems"][0]
     assert problem["host"] == "gpu-typo.invalid"
     assert "'gpu-typo.invalid' does not resolve" in problem["hint"] and "2222" not in problem["hint"]
+
+
+# ---------------------------------------------------------------------------
+# one-shot calls read a bounded answer, whatever the node's login prints
+
+
+_CHILD_CALL = r'''
+import asyncio, json, resource, sys
+from corral.model import Host
+from corral.sshsetup.remote import call_node, remote_command
+
+flood, forged = sys.argv[1], sys.argv[2]
+host = Host(name="chatty")
+# A login shell that prints 300 MB before the call runs (an `echo` loop in
+# .bashrc, a compromised node), then the node's answer; or, forged, an answer
+# line that is not an object, and no call at all.
+then = ("echo '@@corral-result@@[1, 2]'" if forged == "forged" else 'exec "$0" "$@"')
+argv = ["sh", "-c", flood + ' >&2; ' + flood + '; ' + then, *remote_command(sys.executable)]
+src = "def f():\n    return {'ok': [1, 2]}\n"
+try:
+    value = asyncio.run(call_node(host, argv, "m", src, "f", {}, timeout=120))
+    out = {"value": value}
+except Exception as e:  # noqa: BLE001 - what the caller sees
+    out = {"error": type(e).__name__, "message": str(e)[:300]}
+out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("forged", ["answer", "forged"])
+def test_a_login_shell_printing_without_end_does_not_grow_the_heads_memory(forged: str) -> None:
+    """1 GB printed by a node's login shell during sync took the head to 2 GB
+    (communicate() kept all of it); the answer is still found after it, and an
+    answer that is not an object is a named protocol error, not a traceback."""
+    flood = "head -c 300000000 /dev/zero | tr '\\0' x"
+    proc = subprocess.run([sys.executable, "-c", _CHILD_CALL, flood, forged],
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    if forged == "forged":
+        assert out["error"] == "HostError" and "not an object" in out["message"], out
+    else:
+        assert out["value"] == {"ok": [1, 2]}, out
+    assert out["rss_mb"] < 150, out  # was 300 MB x 2 (stdout and stderr kept whole)

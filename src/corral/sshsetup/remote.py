@@ -26,6 +26,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from corral import streams
 from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.transport.ssh import SSHTransport, classify_ssh_failure, client_env, python_hint
@@ -34,6 +35,10 @@ log = logging.getLogger(__name__)
 
 #: Prefix of the result line; anything else on stdout is noise (or progress).
 MARK = "@@corral-result@@"
+
+#: The largest answer a call reads (a tree's file list for sync: about 100
+#: bytes a file).
+MAX_ANSWER = 256 * 1024 * 1024
 
 # Runs from the payload, so it can be longer than an argv and checked.
 _BOOT = r"""
@@ -117,7 +122,7 @@ def parse_result(stdout: bytes) -> tuple[bool, Any]:
     line = text[idx + len(MARK) :].splitlines()[0] if text[idx + len(MARK) :] else ""
     try:
         return True, json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False, None
 
 
@@ -155,10 +160,36 @@ async def call_node(
             f"cannot run {argv[0]!r}: {e.strerror}",
             hint="install the OpenSSH client (apt-get install openssh-client)",
         ) from None
-    try:
-        out, err = await asyncio.wait_for(
-            proc.communicate(payload(module, source, fn, args)), timeout
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+
+    async def feed() -> None:
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(payload(module, source, fn, args))
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # ssh ended first: its stderr says why
+        finally:
+            proc.stdin.close()
+
+    async def answer() -> tuple[bytes, bytes]:
+        # Bounded whatever the node prints: a login shell's output before the
+        # answer is dropped as it arrives, and stderr's end is kept.
+        out, err, _ = await asyncio.gather(
+            streams.read_after_mark(proc.stdout, MARK.encode(), limit=MAX_ANSWER),
+            streams.read_tail(proc.stderr),
+            feed(),
         )
+        await proc.wait()
+        return out, err
+
+    try:
+        out, err = await asyncio.wait_for(answer(), timeout)
+    except streams.AnswerTooLarge as e:
+        proc.kill()
+        await proc.wait()
+        raise HostError(host.name, f"{fn}: the node's answer is too large ({e}; at most {MAX_ANSWER} bytes)",
+                        hint="a bug in corral or a node sending more than it was asked for") from None
     except asyncio.TimeoutError:
         proc.kill()
         await proc.wait()
@@ -177,8 +208,11 @@ async def call_node(
             proc.returncode if proc.returncode is not None else -1,
             err.decode(errors="replace"),
         )
+    if not isinstance(result, dict):
+        raise HostError(host.name, f"{fn}: the node's answer is not an object (a protocol error)",
+                        hint="a bug in corral, or something on that node writing into its channel")
     if "error" in result:
-        raise RemoteError(result["error"], kind=result.get("kind", "error"))
+        raise RemoteError(str(result["error"])[:2000], kind=str(result.get("kind", "error")))
     return result.get("value")
 
 

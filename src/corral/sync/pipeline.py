@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from corral import streams
 from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.sshsetup.remote import MARK, call_node, payload, remote_command, ssh_argv
@@ -49,6 +50,10 @@ def node_source() -> str:
 
 
 SOURCE = node_source()
+
+#: The longest line of a chain's answer the head reads; the rest of a longer
+#: one is dropped as it arrives (the hops' lines are short).
+MAX_ANSWER_LINE = 1024 * 1024
 
 
 def hop_argv(host: Host, *, connect_timeout: int = 10) -> list[str]:
@@ -176,7 +181,7 @@ async def stream(
         # What the hops print is untrusted: a name outside the chain, a count
         # that is not one or a line that is not JSON is skipped, not believed.
         names = {h.name for h in chain}
-        async for raw in procs.bounded_lines(proc.stdout):
+        async for raw in streams.bounded_lines(proc.stdout, MAX_ANSWER_LINE):
             line = raw.decode(errors="replace").rstrip("\r")
             if line.startswith(nodetree.PROGRESS):
                 name, _, n = line[len(nodetree.PROGRESS) :].partition(" ")
@@ -200,7 +205,7 @@ async def stream(
                     _record(results, raw_result, names)
 
     try:
-        _, _, err = await asyncio.gather(feed(), read(), procs.read_tail(proc.stderr))
+        _, _, err = await asyncio.gather(feed(), read(), streams.read_tail(proc.stderr))
         await proc.wait()
     except BaseException:  # stopped: the first hop sees its input end and cleans up
         await procs.reap(proc)

@@ -18,49 +18,6 @@ import signal
 #: Seconds between SIGTERM (rsync removes its partial file) and SIGKILL.
 GRACE_S = 3.0
 
-#: What the head keeps of an rsync's or a chain's stderr: its end, where the
-#: reason is.  The rest is read and dropped (a node's login shell can print
-#: without end; the head's memory must not follow it).
-STDERR_TAIL = 64 * 1024
-
-#: The longest line of a chain's answer the head reads; the rest of a longer
-#: one is dropped as it arrives.
-MAX_ANSWER_LINE = 1024 * 1024
-
-
-async def read_tail(stream: asyncio.StreamReader, keep: int = STDERR_TAIL) -> bytes:
-    """All of ``stream`` read, its last ``keep`` bytes kept."""
-    tail = b""
-    while True:
-        chunk = await stream.read(256 * 1024)
-        if not chunk:
-            return tail
-        tail = (tail + chunk)[-keep:]
-
-
-async def bounded_lines(stream: asyncio.StreamReader, limit: int = MAX_ANSWER_LINE):
-    """The lines of ``stream``, each cut at ``limit`` bytes (the rest of a
-    longer line is read and dropped): ``async for`` over a StreamReader
-    raises on a line over 64 KiB, and a node decides how long its lines are."""
-    buf = b""
-    dropping = False
-    while True:
-        chunk = await stream.read(256 * 1024)
-        if not chunk:
-            if buf and not dropping:
-                yield buf
-            return
-        *done, buf = (buf + chunk).split(b"\n")
-        for line in done:
-            if not dropping:
-                yield line[:limit]
-            dropping = False
-        if len(buf) > limit:
-            if not dropping:
-                yield buf[:limit]
-            buf, dropping = b"", True
-
-
 def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

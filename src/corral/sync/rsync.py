@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Callable, Sequence
 
+from corral import streams
 from corral.errors import HostError, UsageError
 from corral.model import Cluster, Host
 from corral.sync import procs
@@ -123,7 +124,7 @@ async def send(
                     last = n
 
     try:
-        _, _, err = await asyncio.gather(feed(), progress(), procs.read_tail(proc.stderr))
+        _, _, err = await asyncio.gather(feed(), progress(), streams.read_tail(proc.stderr))
         rc = await proc.wait()
     except BaseException:  # Ctrl-C, SIGTERM: rsync and its ssh stop with corral
         await procs.reap(proc)
