@@ -538,13 +538,14 @@ def test_measurement_records_are_plain_data() -> None:
 # the human report
 
 
-def test_report_groups_by_host_set_and_prints_hints(monkeypatch: pytest.MonkeyPatch) -> None:
+def _rendered(monkeypatch: pytest.MonkeyPatch, node4_torch: str) -> str:
+    """doctor's human report of the recording, node4 reporting ``node4_torch``."""
     from corral.cli.doctor import render
     from corral.doctor import DoctorReport
     from corral.model import Cluster, Host
 
     data = recorded()
-    data["facts"]["node4"]["packages"]["torch"] = "2.3.1+cpu"
+    data["facts"]["node4"]["packages"]["torch"] = node4_torch
     ev = evidence(data)
     report = DoctorReport(cluster=Cluster(hosts=tuple(Host(name=h) for h in NODES)), evidence=ev,
                           findings=tuple(run_checks(ev)), recommended_env=recommend_env(ev))
@@ -552,7 +553,11 @@ def test_report_groups_by_host_set_and_prints_hints(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(ui, "_out", Console(file=buf, width=200, highlight=False))
     monkeypatch.setattr(ui, "console", lambda: ui._out)
     render(report)
-    text = buf.getvalue()
+    return buf.getvalue()
+
+
+def test_report_groups_by_host_set_and_prints_hints(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = _rendered(monkeypatch, "2.3.1+cpu")
     assert "torch differs: node[1-3]: torch 2.13.0+cpu / node4: torch 2.3.1+cpu" in text
     assert "hint: install torch==2.13.0" in text
     assert "node[1-4]   GLOO_SOCKET_IFNAME=eth0 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=eth0" in text
@@ -563,20 +568,7 @@ def test_a_finding_quoting_a_node_reaches_the_terminal_without_its_controls(monk
     """A node reports its facts (here a torch version carrying an OSC 52
     clipboard write and an OSC 0 title): the finding that quotes it is shown
     without them (rich's escape() kept ESC)."""
-    from corral.cli.doctor import render
-    from corral.doctor import DoctorReport
-    from corral.model import Cluster, Host
-
-    data = recorded()
-    data["facts"]["node4"]["packages"]["torch"] = "2.3.1\x1b]52;c;ZXZpbA==\x07\x1b]0;pwned\x07"
-    ev = evidence(data)
-    report = DoctorReport(cluster=Cluster(hosts=tuple(Host(name=h) for h in NODES)), evidence=ev,
-                          findings=tuple(run_checks(ev)), recommended_env=recommend_env(ev))
-    buf = io.StringIO()
-    monkeypatch.setattr(ui, "_out", Console(file=buf, width=200, highlight=False))
-    monkeypatch.setattr(ui, "console", lambda: ui._out)
-    render(report)
-    text = buf.getvalue()
+    text = _rendered(monkeypatch, "2.3.1\x1b]52;c;ZXZpbA==\x07\x1b]0;pwned\x07")
     assert "node4: torch 2.3.1" in text, text
     assert "\x1b" not in text and "\x07" not in text, repr(text)
 
