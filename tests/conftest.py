@@ -65,6 +65,14 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     yield home
 
 
+#: Python lines for a child process that measures its own peak memory.
+#: ``ru_maxrss`` survives execve: a child started from a big pytest process
+#: reports the parent's peak (280 MB late in the suite), so the child resets
+#: its peak first (``clear_refs`` 5) and reads ``VmHWM`` at the end.
+RESET_PEAK_RSS = "open('/proc/self/clear_refs', 'w').write('5')"
+PEAK_RSS_KIB = ("int([ln for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0].split()[1])")
+
+
 @pytest.fixture
 def torch_extensions(request: pytest.FixtureRequest) -> Path:
     """Where DeepSpeed's CPU tests JIT-compile its shared-memory comm op (~1 min):

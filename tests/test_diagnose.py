@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 import re
 import shutil
 
@@ -1350,7 +1351,7 @@ def test_partitioned_node_of_a_real_run_is_diagnosed_as_lost(sandbox, tmp_path):
             sandbox.heal(victim)
             if proc.poll() is None:
                 proc.kill()
-        (run,) = (work / "runs").iterdir()
+        (run,) = Path(os.environ["CORRAL_RUNS_DIR"]).iterdir()  # conftest's, per test
         top = diagnose_run(run).diagnoses[0]
         assert top.rule_id == "node-lost" and top.host == victim
         assert top.title.startswith(f"{victim} was lost: no heartbeat for ")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import PEAK_RSS_KIB, RESET_PEAK_RSS
 
 from corral.fanout import HostResult
 from corral.gather import group_results
@@ -355,14 +356,15 @@ def test_endless_output_keeps_a_bounded_head_in_memory(tmp_path: Path) -> None:
     from corral.frames import cut_marker
 
     code = """if True:
-        import json, resource
+        import json
+        RESET_PEAK
         from corral.fanout import run_everywhere
         from corral.model import Cluster, Host
         cmd = "head -c 200M /dev/zero | tr '\\\\0' a; echo done >&2"
         [r] = run_everywhere(Cluster(hosts=(Host(name="localhost", local=True),), source="test"), cmd)
         print(json.dumps({"stdout": r.stdout, "stderr": r.stderr, "cut": r.stdout_cut, "rc": r.returncode,
-                          "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
-    """
+                          "peak_kib": PEAK_KIB}))
+    """.replace("RESET_PEAK", RESET_PEAK_RSS).replace("PEAK_KIB", PEAK_RSS_KIB)
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300, check=False)
     assert res.returncode == 0, res.stderr[-2000:]

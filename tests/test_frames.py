@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import PEAK_RSS_KIB, RESET_PEAK_RSS
 
 from corral.model import Host
 
@@ -99,8 +100,9 @@ def _max_rss_kib(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProces
     """Run ``corral ARGS`` and return its own peak RSS (KiB, its children not counted)."""
     out = cwd / "rss"
     code = textwrap.dedent(f"""
-        import atexit, resource, runpy, sys
-        atexit.register(lambda: open({str(out)!r}, "w").write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))
+        import atexit, runpy, sys
+        {RESET_PEAK_RSS}
+        atexit.register(lambda: open({str(out)!r}, "w").write(str({PEAK_RSS_KIB})))
         sys.argv = ["corral"] + {args!r}
         runpy.run_module("corral", run_name="__main__")
     """)

@@ -148,9 +148,10 @@ def test_train_ddp_on_all_eight_ranks(sandbox) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     first, last = map(float, re.search(r"first loss ([\d.]+) \| final loss ([\d.]+)", res.stdout).groups())
     assert last < first * 0.7, (first, last)
-    hosts = set(re.findall(r"^\[(\w+)/r(\d)\]", res.stdout, re.M))
-    assert {h for h, _ in hosts} == set(sandbox.nodes)
+    # Only rank 0 prints: the 8-process world it reports took every node's ranks
+    # (the other nodes' lines used to be torchrun's and c10d's noise, gone now).
     assert "8 ranks on 4 node(s)" in res.stderr
+    assert "training on 8 process(es)" in res.stdout, res.stdout[-2000:]
     assert_clean(sandbox, within=5)
 
 
@@ -560,7 +561,7 @@ def test_a_restart_that_cannot_reconnect_yet_tries_again(sandbox, workdir: Path)
             proc.kill()
     text = "".join(err)
     assert proc.returncode == 0, text[-3000:]
-    record = json.loads(next((workdir / "runs").glob("*/run.json")).read_text())
+    record = json.loads(next(Path(os.environ["CORRAL_RUNS_DIR"]).glob("*/run.json")).read_text())
     assert record["status"] == "succeeded" and record["attempts"] == len(record["restarts"]) + 1 >= 3
     assert f"{victim} was lost" in record["restarts"][0]["failure"]
     assert all(r["failure"].startswith("could not restart: ") and victim in r["failure"]
@@ -731,7 +732,7 @@ def test_nodes_behind_a_jump_host(sandbox, tmp_path: Path) -> None:
                              cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
         assert res.returncode == 0, res.stderr[-3000:]
         assert "8 ranks on 4 node(s)" in res.stderr
-        assert {h for h, _ in re.findall(r"^\[(\w+)/r(\d)\]", res.stdout, re.M)} == set(sandbox.nodes)
+        assert "training on 8 process(es)" in res.stdout, res.stdout[-2000:]
     finally:
         for node in rest:
             sandbox.exec(node, ["ip", "route", "del", "blackhole", f"{sandbox.head_address}/32"])

@@ -836,7 +836,8 @@ def test_processes_per_node_follow_the_jobs_cuda_visible_devices(tmp_path: Path)
                                     'env = { CUDA_VISIBLE_DEVICES = "2" }\n')
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     env.pop("CUDA_VISIBLE_DEVICES", None)  # this machine's own: all four
-    res = corral(["run", "--fresh-ranks", "who.py"], tmp_path, env=env)
+    # named with -c: a found corral.toml whose python runs here needs trust first
+    res = corral(["run", "-c", "corral.toml", "--fresh-ranks", "who.py"], tmp_path, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.findall(r"seen \d+ .*", res.stdout) == ["seen 1 '2'"]
     res = corral(["run", "--fresh-ranks", "--env", "CUDA_VISIBLE_DEVICES=0,1", "who.py"], tmp_path, env=env)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import PEAK_RSS_KIB, RESET_PEAK_RSS
 from typing_extensions import Self
 
 from corral.cli import cli
@@ -873,7 +874,8 @@ def test_ssh_check_on_a_name_that_does_not_resolve_says_so() -> None:
 
 
 _CHILD_CALL = r'''
-import asyncio, json, resource, sys
+import asyncio, json, sys
+RESET_PEAK
 from corral.model import Host
 from corral.sshsetup.remote import call_node, remote_command
 
@@ -890,9 +892,9 @@ try:
     out = {"value": value}
 except Exception as e:  # noqa: BLE001 - what the caller sees
     out = {"error": type(e).__name__, "message": str(e)[:300]}
-out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+out["rss_mb"] = PEAK_KIB / 1024
 print(json.dumps(out))
-'''
+'''.replace("RESET_PEAK", RESET_PEAK_RSS).replace("PEAK_KIB", PEAK_RSS_KIB)
 
 
 @pytest.mark.parametrize("forged", ["answer", "forged"])
