@@ -840,6 +840,7 @@ def test_processes_per_node_follow_the_jobs_cuda_visible_devices(tmp_path: Path)
     res = corral(["run", "-c", "corral.toml", "--fresh-ranks", "who.py"], tmp_path, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.findall(r"seen \d+ .*", res.stdout) == ["seen 1 '2'"]
-    res = corral(["run", "--fresh-ranks", "--env", "CUDA_VISIBLE_DEVICES=0,1", "who.py"], tmp_path, env=env)
+    res = corral(["run", "-c", "corral.toml", "--fresh-ranks", "--env", "CUDA_VISIBLE_DEVICES=0,1", "who.py"],
+                 tmp_path, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.findall(r"seen \d+ .*", res.stdout) == ["seen 2 '0,1'"] * 2
