@@ -221,6 +221,7 @@ def test_accelerate_deepspeed_config_with_pdsh_starts_each_node_once(sandbox, wo
         t = torch.ones(1)
         dist.all_reduce(t)
         print("RANKLINE", os.environ["RANK"], os.environ["WORLD_SIZE"], int(t.item()), flush=True)
+        dist.destroy_process_group()  # (without it gloo can abort at exit: a torch shutdown bug)
     """)
     before = set(os.listdir(workdir))
     res = corral(sandbox, ["--ranks", "all", "--launcher", "accelerate",

@@ -294,3 +294,6 @@ def test_torchrun_sets_omp_threads_only_where_the_job_does_not() -> None:
     assert all(n.env["OMP_NUM_THREADS"] == "3" for n in p.nodes)
     one = plan(RunSpec(program="train.py", run_id="r"), cluster(slots=1))  # torchrun sets nothing
     assert all("OMP_NUM_THREADS" not in n.env for n in one.nodes)
+    # accelerate starts its processes through torchrun's code: the same default
+    acc = plan(RunSpec(program="train.py", run_id="r", launcher="accelerate"))
+    assert all(n.env["OMP_NUM_THREADS"] == "1" for n in acc.nodes)

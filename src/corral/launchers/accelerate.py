@@ -64,7 +64,10 @@ def plan(ctx: NodeContext) -> NodeCommand:
     if ctx.module:
         argv.append("--module")
     argv += [ctx.program, *ctx.args]
-    return NodeCommand(argv=tuple(argv), env=env)
+    # accelerate starts its processes through torchrun's code, which prints
+    # the OMP_NUM_THREADS banner on every node: the same default as torchrun's.
+    defaults = {"OMP_NUM_THREADS": "1"} if ctx.nproc > 1 else {}
+    return NodeCommand(argv=tuple(argv), env=env, env_defaults=defaults)
 
 
 def chosen_mode(ctx: NodeContext) -> str | None:
