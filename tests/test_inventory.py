@@ -705,3 +705,16 @@ def test_a_trust_store_that_is_a_symlink_or_shared_is_not_believed(tmp_path: Pat
     assert not trust.is_trusted(tmp_path / "corral.toml", data)
     store.chmod(0o600)
     assert trust.is_trusted(tmp_path / "corral.toml", data)
+
+
+def test_a_found_corral_toml_that_is_not_a_file_is_named_not_skipped(tmp_path: Path) -> None:
+    """A directory (or a link to one) named corral.toml in the working directory
+    was skipped in silence and the run went to this machine alone."""
+    (tmp_path / "corral.toml").mkdir()
+    with pytest.raises(InventoryError, match="is a directory, not a file"):
+        _load(tmp_path)
+    (tmp_path / "corral.toml").rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "corral.toml").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(InventoryError, match="is a directory, not a file"):
+        _load(tmp_path)

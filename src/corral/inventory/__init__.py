@@ -116,7 +116,7 @@ def load_cluster(
         found = read_cluster_file(path if path.is_absolute() else cwd / path, cwd=cwd)
         return found, _notice(found, found.source)
     default = cwd / DEFAULT_FILE
-    if default.is_file():
+    if default.exists() or default.is_symlink():  # not a file: named, never skipped
         from corral.inventory.tomlfile import read_corral_toml
 
         found = read_corral_toml(default, label=display_path(default, cwd), implicit=True)
