@@ -126,6 +126,17 @@ def test_dry_run_names_each_nodes_ranks(tmp_path: Path) -> None:
     assert "nodea  ranks 0-1  cwd" in res.output and "nodeb  ranks 2-3  cwd" in res.output
 
 
+def test_dry_run_masks_what_the_environment_rule_calls_a_secret(tmp_path: Path) -> None:
+    """--dry-run used its own older rule: NCCL_AUTH's value was printed, and
+    TOKENIZERS_PARALLELISM (a setting) was masked."""
+    res = _run_cli(tmp_path, "--dry-run", "--json", "-H", "nodea:1", "--env", "NCCL_AUTH=hunter2",
+                   "--env", "TOKENIZERS_PARALLELISM=false", "t.py")
+    assert res.exit_code == 0, res.output
+    [node] = json.loads(res.stdout)["nodes"]
+    assert node["env"]["NCCL_AUTH"] == "***" and node["env"]["TOKENIZERS_PARALLELISM"] == "false"
+    assert "hunter2" not in res.output
+
+
 def test_run_refuses_launcher_args_corral_sets_itself(tmp_path: Path) -> None:
     """--standalone on a multi-node cluster waited 10 minutes for nodes that never came."""
     for launcher, arg, says in (("torchrun", "--standalone", "static rendezvous"),

@@ -21,7 +21,15 @@ from corral.console import RunConsole, parse_ranks
 from corral.errors import UsageError
 from corral.hostrange import fold
 from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
-from corral.plan import LaunchPlan, NodeFacts, RunSpec, build_plan, new_run_id, parse_env_flags
+from corral.plan import (
+    LaunchPlan,
+    NodeFacts,
+    RunSpec,
+    build_plan,
+    is_secret_name,
+    new_run_id,
+    parse_env_flags,
+)
 from corral.run import PREWARMED, Runner, RunOptions, RunResult
 from corral.runs import default_root, unwritable
 from corral.scriptcheck import (
@@ -32,9 +40,6 @@ from corral.scriptcheck import (
     self_launch_note,
 )
 from corral.stacks import fold_ranks
-
-_SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
-
 
 @click.command(
     name="run",
@@ -385,7 +390,7 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
         con.print("  argv: " + escape(" ".join(_q(a) for a in node.argv)), soft_wrap=True)
         table = Table(box=None, show_header=False, padding=(0, 1, 0, 4))
         for k in sorted(node.env):
-            table.add_row(k, "***" if _SECRETISH.search(k) else escape(node.env[k]))
+            table.add_row(k, "***" if is_secret_name(k) else escape(node.env[k]))
         con.print(table)
     ui.notice("dry run: nothing was started")
 
@@ -420,7 +425,7 @@ def _plan_json(plan: LaunchPlan, unknown_slots: bool, *, preload: bool) -> dict:
         "nodes": [
             {"host": n.host.name, "node_rank": n.node_rank, "nproc": n.nproc, "first_rank": n.first_rank,
              "cwd": n.cwd, "argv": list(n.argv),
-             "env": {k: ("***" if _SECRETISH.search(k) else v) for k, v in n.env.items()}}
+             "env": {k: ("***" if is_secret_name(k) else v) for k, v in n.env.items()}}
             for n in plan.nodes
         ],
     }
