@@ -16,7 +16,7 @@ from itertools import permutations
 
 import pytest
 
-from corral.bench import (
+from corral.doctor.bench import (
     bus_bandwidth,
     nccl_network,
     parse_size,

@@ -19,7 +19,7 @@ import pytest
 from rich.console import Console
 
 from corral import ui
-from corral.checks import (
+from corral.doctor.checks import (
     ERROR,
     OK,
     WARNING,
@@ -34,7 +34,7 @@ from corral.checks import (
     recommend_env,
     run_checks,
 )
-from corral.checks.nics import nccl_default, nccl_matches
+from corral.doctor.checks.nics import nccl_default, nccl_matches
 from corral.hostrange import HostSet
 
 FIXTURES = Path(__file__).parent / "fixtures" / "facts"
@@ -541,7 +541,7 @@ def test_measurement_records_are_plain_data() -> None:
 def _rendered(monkeypatch: pytest.MonkeyPatch, node4_torch: str) -> str:
     """doctor's human report of the recording, node4 reporting ``node4_torch``."""
     from corral.cli.doctor import render
-    from corral.doctor import DoctorReport
+    from corral.doctor.examine import DoctorReport
     from corral.model import Cluster, Host
 
     data = recorded()

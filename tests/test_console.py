@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from corral.console import RunConsole, parse_ranks
+from corral.run.console import RunConsole, parse_ranks
 
 
 class TTY(io.StringIO):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from corral.control import control_path, live_controls, request, serve
 from corral.errors import CorralError
+from corral.run.control import control_path, live_controls, request, serve
 
 
 @pytest.fixture()
@@ -64,16 +64,16 @@ def test_no_usable_directory_is_a_named_error(tmp_path: Path, tmpdir_env, monkey
     deep = tmp_path / ("z" * 120)
     deep.mkdir()
     tmpdir_env(deep)
-    import corral.control
+    import corral.run.control
 
-    real = corral.control.private_dir
+    real = corral.run.control.private_dir
 
     def no_tmp(path: str, base: str):
         if path.startswith("/tmp/corral-"):
             raise PermissionError(13, "Permission denied", path)
         return real(path, base)
 
-    monkeypatch.setattr(corral.control, "private_dir", no_tmp)
+    monkeypatch.setattr(corral.run.control, "private_dir", no_tmp)
     with pytest.raises(CorralError) as e:
         control_path("20260101-000000-abcd")
     assert "over 100 bytes" in e.value.message and "TMPDIR" in (e.value.hint or "")

@@ -206,9 +206,9 @@ def test_smoke_test_names_the_link_that_fails(lab: Sandbox) -> None:
     """
     import asyncio
 
-    from corral.doctor import DoctorOptions, examine
+    from corral.doctor.examine import DoctorOptions, examine
+    from corral.doctor.smoke import smoke_test
     from corral.inventory import read_cluster_file
-    from corral.smoke import smoke_test
 
     _, n2, n3, _ = lab.nodes
     rules = {n2: ["INPUT", "-p", "tcp", "--syn", "-s", lab.addresses[n3], "!", "--dport", "22", "-j", "DROP"],

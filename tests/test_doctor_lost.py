@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from corral import doctor
-from corral.checks import ERROR, run_checks
-from corral.checks.base import LinkProbe, PortProbe
+from corral.doctor import examine as doctor
+from corral.doctor.checks import ERROR, run_checks
+from corral.doctor.checks.base import LinkProbe, PortProbe
 from corral.errors import HostError, PreflightError
 from corral.model import Cluster, Host
 
@@ -92,8 +92,8 @@ def test_a_node_lost_while_links_were_measured_is_named_not_blamed_on_its_links(
 
 
 def test_a_node_gone_before_the_smoke_test_is_its_outcome_not_an_error(monkeypatch) -> None:
-    from corral import scripted
-    from corral.smoke import outcome
+    from corral.doctor import scripted
+    from corral.doctor.smoke import outcome
 
     class Gone:
         def __init__(self, cluster, **kw) -> None:

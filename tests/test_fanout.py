@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import PEAK_RSS_KIB, RESET_PEAK_RSS
 
-from corral.fanout import HostResult
-from corral.gather import group_results
+from corral.transport.fanout import HostResult
+from corral.transport.gather import group_results
 
 CORRAL = [sys.executable, "-m", "corral"]
 
@@ -183,8 +183,8 @@ def test_library_call_off_the_main_thread(tmp_path: Path) -> None:
     # The library API needs no CLI and no main thread (no signal handlers then).
     import threading
 
-    from corral.fanout import run_everywhere
     from corral.model import Cluster, Host
+    from corral.transport.fanout import run_everywhere
 
     cluster = Cluster(hosts=(Host(name="localhost", local=True),), source="test")
     out: list = []
@@ -246,7 +246,7 @@ def test_wrapper_outside_its_own_session_stops_its_descendants(tmp_path: Path) -
     # When neither the wrapper nor its parent leads the session (a ForceCommand,
     # sudo, a login shell that forks twice), the session is not the command's
     # to kill: the wrapper falls back to its own descendants, and only them.
-    from corral.fanout import remote_argv
+    from corral.transport.fanout import remote_argv
 
     bystander = subprocess.Popen(["sleep", "49"])  # same session, not the wrapper's
     try:
@@ -275,8 +275,8 @@ def test_sshs_fallback_when_a_node_refuses_another_session_is_not_output() -> No
     # shared connection; ssh says so and opens its own, and the command runs:
     # those two lines are not the command's, and would split the node from
     # the others' identical output (seen on the sandbox with `MaxSessions 1`).
-    from corral.fanout import run_everywhere
     from corral.model import Cluster, Host
+    from corral.transport.fanout import run_everywhere
 
     noise = ("mux_client_request_session: session request failed: Session open refused by peer",
              "ControlSocket /root/.cache/corral/ssh/6389e284/d585f already exists, disabling multiplexing")
@@ -298,8 +298,8 @@ def test_a_command_reaches_any_login_shell_as_under_ssh(shell: str) -> None:
     # command ran was not what `ssh host CMD` runs.
     import shutil
 
-    from corral.fanout import remote_argv
     from corral.model import Cluster, Host
+    from corral.transport.fanout import remote_argv
     from corral.transport.ssh import SSHTransport
 
     path = shutil.which(shell)
@@ -352,13 +352,13 @@ def test_json_keeps_a_nodes_text_escaped(tmp_path: Path) -> None:
 def test_endless_output_keeps_a_bounded_head_in_memory(tmp_path: Path) -> None:
     # pdsh-like, the head kept all of it: 200 MB of output took the head
     # past 600 MB (bytes, joined, decoded).  Now 1 MiB per stream is kept.
-    from corral.fanout import MAX_OUTPUT
     from corral.frames import cut_marker
+    from corral.transport.fanout import MAX_OUTPUT
 
     code = """if True:
         import json
         RESET_PEAK
-        from corral.fanout import run_everywhere
+        from corral.transport.fanout import run_everywhere
         from corral.model import Cluster, Host
         cmd = "head -c 200M /dev/zero | tr '\\\\0' a; echo done >&2"
         [r] = run_everywhere(Cluster(hosts=(Host(name="localhost", local=True),), source="test"), cmd)
@@ -377,8 +377,8 @@ def test_endless_output_keeps_a_bounded_head_in_memory(tmp_path: Path) -> None:
 
 
 def test_the_cut_is_said_in_folded_json_and_live_output(tmp_path: Path) -> None:
-    from corral.fanout import MAX_OUTPUT
     from corral.frames import MAX_LINE, cut_marker
+    from corral.transport.fanout import MAX_OUTPUT
 
     mib = 1024 * 1024
     cmd = (r"head -c 3M /dev/zero | tr '\0' a; echo; echo end; "
@@ -409,8 +409,8 @@ def test_the_cut_is_said_in_folded_json_and_live_output(tmp_path: Path) -> None:
 
 @pytest.mark.sandbox
 def test_nodes_over_ssh_reach_the_terminal_bounded_and_without_controls(sandbox) -> None:
-    from corral.fanout import MAX_OUTPUT
     from corral.frames import cut_marker
+    from corral.transport.fanout import MAX_OUTPUT
 
     cmd = HOSTILE + r"; head -c 3M /dev/zero | tr '\0' a"
     res = subprocess.run(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--", cmd], check=False,

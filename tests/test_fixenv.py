@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from corral.doctor.fixenv import write_env
 from corral.errors import UsageError
-from corral.fixenv import write_env
 from corral.inventory import load_cluster, parse_hosts_arg, read_cluster_file
 from corral.model import Cluster, Host
-from corral.plan import NodeFacts, RunSpec, build_plan
+from corral.run.plan import NodeFacts, RunSpec, build_plan
 
 SAME = {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"}
 TOML = """\

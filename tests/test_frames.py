@@ -142,8 +142,8 @@ def test_the_head_holds_a_node_that_skips_the_relay_to_the_same_bounds(tmp_path:
     real pipe drops them, counts them, and goes on."""
     from corral.agent.session import AgentSession
     from corral.frames import MAX_FRAME, MAX_LINE
+    from corral.run.watch import JobWatch
     from corral.transport.local import LocalTransport
-    from corral.watch import JobWatch
 
     piece = json.dumps({"ev": "line", "r": 0, "s": "log", "t": "y" * 60000, "more": 1})
     fake = tmp_path / "python"
@@ -183,7 +183,7 @@ def test_the_head_holds_a_node_that_skips_the_relay_to_the_same_bounds(tmp_path:
     assert len([e for e in events if e.get("ev") == "rank_exit"]) == 1
     assert "over the limit" in s.protocol_errors.first
     # The head's own join holds the line to MAX_LINE and says what it cut.
-    from corral.plan import LaunchPlan, NodePlan
+    from corral.run.plan import LaunchPlan, NodePlan
     plan = LaunchPlan(run_id="r", launcher="command", master_addr="x", master_port=1, nodes=(NodePlan(
         host=Host(name="gpu7"), node_rank=0, nproc=1, first_rank=0, argv=(), env={}, cwd="/",
         pipe_rank=0, requires=None),))

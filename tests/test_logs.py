@@ -5,8 +5,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-
-from corral.logs import RunLogs
+from corral.run.logs import RunLogs
 
 
 class _Full:

@@ -9,7 +9,7 @@ import pytest
 
 from corral.errors import UsageError
 from corral.model import Cluster, Host
-from corral.plan import NodeFacts, RunSpec, build_plan, env_from_head, parse_env_flags
+from corral.run.plan import NodeFacts, RunSpec, build_plan, env_from_head, parse_env_flags
 
 
 def cluster(n: int = 2, slots: int | None = 2, **kw) -> Cluster:
@@ -132,7 +132,7 @@ def test_accelerate_deepspeed_on_several_nodes_launches_per_node(tmp_path) -> No
 
 @pytest.mark.parametrize("arg", ["--deepspeed_multinode_launcher=pdsh", "--deepspeed-hostfile=/job/hostfile"])
 def test_accelerates_own_fan_out_is_refused(arg: str) -> None:
-    from corral.launchers import refuse_owned_options
+    from corral.run.launchers import refuse_owned_options
 
     with pytest.raises(UsageError, match="conflicts with what corral sets up for accelerate"):
         refuse_owned_options("accelerate", (arg,))

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from corral.agent.probes import dir_identity, fstype
-from corral.preflight import local_disk_warning
+from corral.run.preflight import local_disk_warning
 
 MOUNTINFO = """\
 22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw
@@ -60,7 +60,7 @@ def test_a_node_whose_host_name_is_loopback_is_given_gloos_interface() -> None:
     # Debian writes `127.0.1.1 <hostname>` to /etc/hosts: gloo advertises that
     # to the other nodes, whose ranks then fail with "connectFullMesh failed
     # ... Connection refused, remote=[127.0.1.1]" (only when it is not node 0).
-    from corral.preflight import gloo_interface
+    from corral.run.preflight import gloo_interface
 
     addresses = [{"name": "eth0", "address": "10.0.0.3", "prefix": 24},
                  {"name": "ib0", "address": "10.1.0.3", "prefix": 16}]
@@ -79,7 +79,7 @@ def test_one_machine_listed_under_two_names_is_refused() -> None:
     # `gpu2` and its IP address in one hostfile: two agents, two torchruns on
     # the same GPUs, one job directory; the ranks' output was even attributed
     # to the wrong entry.
-    from corral.preflight import same_machine
+    from corral.run.preflight import same_machine
 
     probes = {"gpu1": {"machine": ["boot-a", 1]}, "10.0.0.2": {"machine": ["boot-b", 1]},
               "gpu2": {"machine": ["boot-b", 1]}, "gpu3": {"machine": ["boot-b", 2]}, "old": {}}

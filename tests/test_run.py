@@ -741,8 +741,8 @@ def test_a_quiet_job_without_hang_timeout_is_told_where_its_ranks_are(tmp_path: 
     import asyncio
 
     from corral.inventory import local_cluster
-    from corral.plan import RunSpec
-    from corral.run import Runner, RunOptions
+    from corral.run.plan import RunSpec
+    from corral.run.runner import Runner, RunOptions
 
     write(tmp_path / "quiet.py", """
         import time
@@ -804,8 +804,8 @@ def test_a_run_id_whose_directory_exists_is_an_error_that_starts_nothing(tmp_pat
 
     from corral.errors import CorralError
     from corral.model import Cluster, Host
-    from corral.plan import RunSpec, new_run_id
-    from corral.run import RunOptions, Runner
+    from corral.run.plan import RunSpec, new_run_id
+    from corral.run.runner import Runner, RunOptions
 
     assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", new_run_id())
     marker = tmp_path / "started"

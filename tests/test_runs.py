@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from corral.runs import RunRecord, _state, list_runs
+from corral.run.history import RunRecord, _state, list_runs
 
 CORRAL = [sys.executable, "-m", "corral"]
 

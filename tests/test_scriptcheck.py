@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.scriptcheck import (
+from corral.run.scriptcheck import (
     lightning_note,
     lightning_shape,
     local_rank_only,
@@ -150,7 +150,7 @@ def test_one_process_per_node_without_a_node_rank(tmp_path: Path) -> None:
 
 
 def test_the_script_of_a_command_launcher_run() -> None:
-    from corral.scriptcheck import script_and_args
+    from corral.run.scriptcheck import script_and_args
 
     assert script_and_args("command", "python3", ("train_net.py", "--x")) == ("train_net.py", ("--x",))
     assert script_and_args("command", "/opt/venv/bin/python3.11", ("a.py",)) == ("a.py", ())

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from corral.stacks import fold_keys, fold_ranks, main_stack, never_met_note, parse_key, stack_report
+from corral.diagnose.stacks import (
+    fold_keys,
+    fold_ranks,
+    main_stack,
+    never_met_note,
+    parse_key,
+    stack_report,
+)
 
 CORRAL = [sys.executable, "-m", "corral"]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from corral.model import Cluster, Host
-from corral.plan import NodeFacts, RunSpec, build_plan
-from corral.watch import JobWatch
+from corral.run.plan import NodeFacts, RunSpec, build_plan
+from corral.run.watch import JobWatch
 
 
 def watch(launcher: str = "torchrun") -> JobWatch:

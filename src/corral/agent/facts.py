@@ -1,7 +1,7 @@
 """Facts about one node, for ``corral doctor`` and ``corral bench`` (stdlib only).
 
 Called through the agent's ``call`` op as ``facts.collect``: one round trip
-per node returns everything the head-side checks (``corral.checks``) reason
+per node returns everything the head-side checks (``corral.doctor.checks``) reason
 about.  Collecting never raises: what cannot be read is ``None`` (or empty)
 and the reason goes to ``errors``, so one odd node never hides the others.
 

@@ -12,7 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from corral import ui
-from corral.bench import (
+from corral.cli.common import ClusterOptions, cluster_options
+from corral.doctor.bench import (
     DEFAULT_MAX_GLOO,
     DEFAULT_MAX_NCCL,
     AllReduceResult,
@@ -23,13 +24,12 @@ from corral.bench import (
     parse_size,
     size_sweep,
 )
-from corral.checks import ERROR, OK, Evidence
-from corral.checks.base import human_bps
-from corral.checks.gpus import visible_gpus
-from corral.cli.common import ClusterOptions, cluster_options
+from corral.doctor.checks import ERROR, OK, Evidence
+from corral.doctor.checks.base import human_bps
+from corral.doctor.checks.gpus import visible_gpus
+from corral.doctor.smoke import backend_for
 from corral.errors import UsageError
 from corral.hostrange import HostSet
-from corral.smoke import backend_for
 
 EXIT_FAILED = 1
 
@@ -125,7 +125,7 @@ def _failed(lb: LinkBench | None, ar: AllReduceResult | None) -> bool:
 
 
 def _ib_ignored(ar: AllReduceResult, ev: Evidence) -> bool:
-    from corral.checks.nics import active_ib_ports
+    from corral.doctor.checks.nics import active_ib_ports
 
     return ar.nccl_net == "Socket" and any(active_ib_ports(ev.facts[h]) for h in ev.reachable)
 

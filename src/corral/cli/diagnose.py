@@ -23,9 +23,9 @@ from corral.diagnose.lost import NODE_LOST
 from corral.diagnose.pyexc import basename
 from corral.diagnose.rundir import resolve_target
 from corral.diagnose.signs import failure_lines_in_text
+from corral.diagnose.stacks import NEVER_MET
 from corral.errors import UsageError
-from corral.runs import default_root
-from corral.stacks import NEVER_MET
+from corral.run.history import default_root
 
 #: Causes shown without --all.
 _DEFAULT_SHOWN = 3
@@ -107,7 +107,7 @@ def diagnose(target: str | None, as_json: bool, show_all: bool, facts_file: str 
 
 
 def _latest_unsuccessful(root: Path) -> Path:
-    from corral.runs import list_runs
+    from corral.run.history import list_runs
 
     for record in list_runs(root) if root.is_dir() else ():
         if record.status not in ("succeeded", "running"):

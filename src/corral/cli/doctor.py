@@ -13,11 +13,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from corral import ui
-from corral.checks import ERROR, FAMILIES, OK, WARNING, Finding
 from corral.cli.common import ClusterOptions, cluster_options, load_from_options
-from corral.doctor import DoctorOptions, DoctorReport, examine
+from corral.doctor.checks import ERROR, FAMILIES, OK, WARNING, Finding
+from corral.doctor.examine import DoctorOptions, DoctorReport, examine
+from corral.doctor.fixenv import FixResult, write_env
 from corral.errors import EXIT_INFRA
-from corral.fixenv import FixResult, write_env
 from corral.hostrange import HostSet
 from corral.model import Cluster
 
@@ -108,7 +108,7 @@ def _fix(cluster_opts: ClusterOptions, report: DoctorReport) -> FixResult:
 
 
 def _smoke(cluster: Cluster, report: DoctorReport, options: DoctorOptions):
-    from corral.smoke import blockers, skipped, smoke_test
+    from corral.doctor.smoke import blockers, skipped, smoke_test
 
     blocking = blockers(report.findings)
     if blocking:

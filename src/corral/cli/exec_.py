@@ -9,9 +9,9 @@ import click
 from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
 from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, UsageError
-from corral.fanout import command_line, run_everywhere
 from corral.frames import terminal_safe
-from corral.gather import group_results
+from corral.transport.fanout import command_line, run_everywhere
+from corral.transport.gather import group_results
 from corral.transport.ssh import SSH_ERROR
 
 

@@ -17,11 +17,13 @@ from rich.table import Table
 
 from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
-from corral.console import RunConsole, parse_ranks
+from corral.diagnose.stacks import fold_ranks
 from corral.errors import UsageError
 from corral.hostrange import fold
-from corral.launchers import PLANNERS, owned_option_hint, refuse_owned_options
-from corral.plan import (
+from corral.run.console import RunConsole, parse_ranks
+from corral.run.history import default_root, unwritable
+from corral.run.launchers import PLANNERS, owned_option_hint, refuse_owned_options
+from corral.run.plan import (
     LaunchPlan,
     NodeFacts,
     RunSpec,
@@ -30,16 +32,16 @@ from corral.plan import (
     new_run_id,
     parse_env_flags,
 )
-from corral.run import PREWARMED, Runner, RunOptions, RunResult
-from corral.runs import default_root, unwritable
-from corral.scriptcheck import (
+from corral.run.result import RunResult
+from corral.run.runner import PREWARMED, Runner, RunOptions
+from corral.run.scriptcheck import (
     local_rank_problem,
     module_for,
     relative_import_line,
     script_and_args,
     self_launch_note,
 )
-from corral.stacks import fold_ranks
+
 
 @click.command(
     name="run",

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from corral import ui
 from corral.cli.common import retired_short
-from corral.runs import default_root, list_runs
+from corral.run.history import default_root, list_runs
 
 
 @click.command(name="runs")

@@ -9,10 +9,17 @@ import click
 from rich.markup import escape
 
 from corral import ui
-from corral.control import live_controls, request
+from corral.diagnose.stacks import (
+    fold_keys,
+    never_met_note,
+    numbered,
+    parse_key,
+    rendezvous_note,
+    stack_report,
+)
 from corral.errors import CorralError, UsageError
-from corral.runs import default_root, find_run
-from corral.stacks import fold_keys, never_met_note, numbered, parse_key, rendezvous_note, stack_report
+from corral.run.control import live_controls, request
+from corral.run.history import default_root, find_run
 
 
 @click.command(name="stacks")

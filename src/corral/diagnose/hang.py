@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.diagnose.pyexc import is_library
-from corral.stacks import fold_ranks, in_init, main_stack, merge, odd_ones_out
+from corral.diagnose.stacks import fold_ranks, in_init, main_stack, merge, odd_ones_out
 
 _RANK_HEADER = re.compile(r"^===== rank (\d+) =====\s*$", re.MULTILINE)
 _ELSEWHERE = re.compile(r"(ranks? [\d,-]+) elsewhere than the others")

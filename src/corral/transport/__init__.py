@@ -3,6 +3,10 @@
 A transport only *builds argv*; ``corral.agent.session`` runs it.  The local
 transport has the same interface as the ssh one, so this machine and the
 tests take the same code path as a remote node.
+
+``fanout`` runs one command on many hosts at once over these transports,
+with no agent (``corral exec``, the sync's node-side steps); ``gather``
+folds what the hosts printed into one block per distinct output.
 """
 
 from __future__ import annotations

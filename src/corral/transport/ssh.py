@@ -96,7 +96,7 @@ def shell_quote(word: str) -> str:
     backslash, a single quote and ``!`` go between the quotes, each behind a
     backslash, which every one of these shells reads as the character itself.
     A newline cannot be passed to csh inside or outside quotes: callers that
-    may carry one encode it (``corral.fanout.remote_argv``).
+    may carry one encode it (``corral.transport.fanout.remote_argv``).
     """
     if _PLAIN.fullmatch(word):
         return word
