@@ -296,8 +296,10 @@ def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
         print("ready", flush=True)
         time.sleep(600)
     """)
-    proc = subprocess.Popen(CORRAL + ["run", "stubborn.py"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # -X faulthandler: a corral that does not end is made to dump every
+    # thread's stack (SIGABRT) into the failure message.
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler"] + CORRAL[1:] + ["run", "stubborn.py"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
         while len(list(pids.iterdir())) < 2:
@@ -312,7 +314,12 @@ def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
             time.sleep(0.1)
         left = [p for p in recorded if pid_alive(p)]
         assert not left, f"processes of the run still alive 5 s after Ctrl-C: {left}"
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            out, err = proc.communicate(timeout=30)
+            raise AssertionError(f"corral still running 15 s after Ctrl-C:\n{out[-3000:]}\n{err[-12000:]}") from None
         assert proc.returncode == 130
     finally:
         if proc.poll() is None:

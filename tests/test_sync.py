@@ -262,7 +262,7 @@ def test_stat_cache_is_used_and_never_hides_a_rewrite(
     first = nodetree.manifest(str(root), ["w.bin"])
     reads: list[str] = []
     real = nodetree.file_digest
-    monkeypatch.setattr(nodetree, "file_digest", lambda p: reads.append(p) or real(p))
+    monkeypatch.setattr(nodetree, "file_digest", lambda p, stop=None: reads.append(p) or real(p, stop))
     assert nodetree.manifest(str(root), ["w.bin"])["hash"] == first["hash"] and reads == []
     st = f.stat()
     f.write_bytes(b"B" * 1000)  # same size, and the mtime put back: only ctime tells
@@ -384,6 +384,34 @@ def test_local_sync_to_another_directory(tmp_path: Path) -> None:
     want = {k: v for k, v in _tree(root).items() if k in EXPECTED}
     assert _tree(dest) == want
     assert (dest / nodetree.MARKER).is_file()  # a new destination: marked for later --delete runs
+
+
+def test_ctrl_c_while_hashing_a_large_file_ends_at_once(tmp_path: Path) -> None:
+    # The head hashes its tree in a thread that asyncio cannot cancel, and
+    # asyncio.run waits for it: Ctrl-C used to wait until a large file was
+    # read to its end (minutes for a checkpoint).  A sparse 64 GiB file:
+    # no disk used, reading it takes far longer than the test allows.
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text("print(1)\n")
+    with open(proj / "big.bin", "wb") as f:
+        f.truncate(64 << 30)
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = subprocess.Popen([*CORRAL, "sync"], cwd=proj, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "HOME": str(home)})
+    try:
+        time.sleep(3)  # the file list is made, the hashing under way
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    cache = home / ".cache" / "corral" / "sync"
+    assert not [p.name for p in cache.glob("*.tmp")] if cache.is_dir() else True
 
 
 # ---------------------------------------------------------------------------

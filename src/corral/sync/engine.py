@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -176,6 +177,8 @@ class Syncer:
         self.notes: list[str] = []
         self.sent = 0
         self._probe: asyncio.Task | None = None
+        #: Set when the sync ends or is cancelled: the head's hashing thread stops.
+        self._stop = threading.Event()
         #: Nodes whose chain hop failed for good (a full disk): not retried.
         self._failed: dict[str, HostError] = {}
 
@@ -200,6 +203,10 @@ class Syncer:
         try:
             return await self._run()
         finally:
+            # Cancelled (Ctrl-C): the hashing thread cannot be cancelled, and
+            # asyncio.run waits for it before corral exits; it stops at its
+            # next chunk instead of at the end of a large tree.
+            self._stop.set()
             if self._probe is not None and not self._probe.done():
                 self._probe.cancel()
                 await asyncio.gather(self._probe, return_exceptions=True)
@@ -221,7 +228,7 @@ class Syncer:
             self._probe = asyncio.create_task(pipeline.reachable(self.cluster, pairs))
         heads, before = await asyncio.gather(
             asyncio.to_thread(
-                lambda: [nodetree.manifest(str(u.root), list(u.paths)) for u in units]
+                lambda: [nodetree.manifest(str(u.root), list(u.paths), stop=self._stop) for u in units]
             ),
             self._status(hosts, units, scope=self.options.delete, dry_run=readonly, marks=True),
         )

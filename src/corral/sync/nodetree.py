@@ -111,10 +111,19 @@ def save_cache(root: str, cache: dict) -> None:
             pass
 
 
-def file_digest(path: str) -> str:
+class Stopped(Exception):
+    """Hashing was asked to stop (the head's Ctrl-C): what was hashed so far
+    is kept in the cache, nothing else is done."""
+
+
+def file_digest(path: str, stop=None) -> str:
+    """sha256 of ``path``; ``stop`` (a threading.Event) is looked at every
+    chunk, so a Ctrl-C does not wait for a large file to be read to its end."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while True:
+            if stop is not None and stop.is_set():
+                raise Stopped(path)
             chunk = fh.read(CHUNK)
             if not chunk:
                 break
@@ -122,7 +131,7 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def entry(root: str, rel: str, cache: dict):
+def entry(root: str, rel: str, cache: dict, stop=None):
     """``[kind, mode, size, digest]`` for ``root/rel``, or None when it is missing
     (or a directory); ``cache`` is updated in place."""
     full = os.path.join(root, rel)
@@ -140,7 +149,7 @@ def entry(root: str, rel: str, cache: dict):
     if hit is not None and hit[:4] == key:
         digest = hit[4]
     else:
-        digest = file_digest(full)
+        digest = file_digest(full, stop)
         cache[rel] = key + [digest]
     return ["f", stat.S_IMODE(st.st_mode), st.st_size, digest]
 
@@ -153,19 +162,26 @@ def tree_hash(entries: dict) -> str:
     return h.hexdigest()
 
 
-def manifest(root: str, paths: list, use_cache: bool = True, save: bool = True) -> dict:
-    """Entries and tree hash of ``paths`` under ``root`` (missing ones listed apart)."""
+def manifest(root: str, paths: list, use_cache: bool = True, save: bool = True, stop=None) -> dict:
+    """Entries and tree hash of ``paths`` under ``root`` (missing ones listed apart).
+
+    ``stop`` (a threading.Event, set by the head on Ctrl-C) ends the hashing
+    between two chunks with ``Stopped``; the files hashed until then are
+    saved in the cache (a whole, renamed file), so the next sync does not
+    hash them again."""
     cache = load_cache(root) if use_cache else {}
     before = dict(cache)
     entries, missing = {}, []
-    for rel in paths:
-        e = entry(root, rel, cache)
-        if e is None:
-            missing.append(rel)
-        else:
-            entries[rel] = e
-    if use_cache and save and (cache != before or any(m in cache for m in missing)):
-        save_cache(root, {k: v for k, v in cache.items() if k not in missing})
+    try:
+        for rel in paths:
+            e = entry(root, rel, cache, stop)
+            if e is None:
+                missing.append(rel)
+            else:
+                entries[rel] = e
+    finally:
+        if use_cache and save and (cache != before or any(m in cache for m in missing)):
+            save_cache(root, {k: v for k, v in cache.items() if k not in missing})
     return {"entries": entries, "missing": missing, "hash": tree_hash(entries)}
 
 
