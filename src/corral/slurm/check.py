@@ -51,7 +51,8 @@ from corral.slurm.script import BatchScript, Command, as_int, assignment, expand
 PER_TASK = {"SLURM_PROCID": "the task's global rank", "SLURM_LOCALID": "the task's rank on its node",
             "SLURM_NODEID": "the node's index in the job"}
 #: Job-level counts and the step-level variables to use inside a smaller step.
-STEP_VARS = {"SLURM_NNODES": ("SLURM_STEP_NUM_NODES", "nodes"), "SLURM_JOB_NUM_NODES": ("SLURM_STEP_NUM_NODES", "nodes"),
+STEP_VARS = {"SLURM_NNODES": ("SLURM_STEP_NUM_NODES", "nodes"),
+             "SLURM_JOB_NUM_NODES": ("SLURM_STEP_NUM_NODES", "nodes"),
              "SLURM_NTASKS": ("SLURM_STEP_NUM_TASKS", "tasks"), "SLURM_NPROCS": ("SLURM_STEP_NUM_TASKS", "tasks")}
 #: Jobs at least this long (minutes) should ask for a signal before the limit.
 LONG_JOB_MINUTES = 60
@@ -415,7 +416,8 @@ def _torchrun(ctx: _Ctx) -> list[Finding]:
                 line=line, code="launcher-without-srun", severity="error",
                 message=(f"torchrun runs in the batch shell, on the first of {nodes} nodes only: the other nodes "
                          "start nothing and the rendezvous waits for them until it times out"),
-                fix="start one torchrun per node with srun: srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun ..."))
+                fix=("start one torchrun per node with srun: "
+                     "srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun ...")))
             continue
         tasks = _step_tasks(ctx, launch) if launch.under_srun else 1
         if tasks and tasks > 1:

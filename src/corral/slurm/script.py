@@ -192,18 +192,19 @@ def scan_commands(source: str, first_line: int = 1, *, per_task: bool = False) -
     :func:`read_script`).  ``per_task``: the text is run by a shell of its
     own (the string of ``bash -c``), so no expansion in it is early."""
     scan = _Scan(number=first_line, start=first_line)
-    single = double = False
-    depth = 0  # inside $( ... )
+    single = False
+    nest: list[str] = []  # open double quotes ('"') and parentheses ('(': $(...), $((...)), (...))
     i, n = 0, len(source)
     while i < n:
         ch = source[i]
+        double = bool(nest) and nest[-1] == '"'
         if not scan.text and ch in " \t":
             i += 1
             continue
-        if not scan.text and not single and not double:
+        if not scan.text and not single and not nest:
             scan.start = scan.number
         if ch == "\n":
-            if single or double or depth:
+            if single or nest:
                 scan.newline(ch)
             else:
                 scan.number += 1
@@ -225,20 +226,29 @@ def scan_commands(source: str, first_line: int = 1, *, per_task: bool = False) -
             i += 2
             continue
         if ch == '"':
-            double = not double
+            if double:
+                nest.pop()
+            else:
+                nest.append('"')
         elif ch == "'" and not double:
             single = True
         elif ch == "$":
-            if source.startswith("$(", i) and not source.startswith("$((", i):
-                depth += 1
+            if source.startswith("$(", i):
+                nest.append("(")
+                scan.text.append("$(")
+                i += 2
+                continue
             _note_var(scan, source, i, early=not per_task)
-        elif ch == ")" and depth and not double:
-            depth -= 1
-        elif ch == "#" and not double and not depth and (not scan.text or scan.text[-1] in " \t;|&("):
+        elif ch == "(" and not double:
+            nest.append("(")
+        elif ch == ")" and not double:
+            if nest:
+                nest.pop()
+        elif ch == "#" and not nest and (not scan.text or scan.text[-1] in " \t;|&("):
             while i < n and source[i] != "\n":
                 i += 1
             continue
-        elif not double and not depth and ch in ";|&":
+        elif not nest and ch in ";|&":
             prev, nxt = source[i - 1:i], source[i + 1:i + 2]
             if (ch == "&" and (prev in ("<", ">") and prev or nxt == ">")) or (ch == "|" and prev == ">"):
                 scan.text.append(ch)  # >&2, &>file, >|file: redirections, not separators
