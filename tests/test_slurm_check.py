@@ -139,6 +139,9 @@ def test_commands_keep_their_lines_across_continuations_and_quotes():
     commands = scan_commands("a \\\n  b; c && d\nsrun bash -c '\n x\n' &\n# comment\ne 2>&1\n")
     assert [(c.line, c.words[0], c.background) for c in commands] == [
         (1, "a", False), (2, "c", False), (2, "d", False), (3, "srun", True), (7, "e", False)]
+    # quotes inside $(...) inside quotes open a context of their own
+    commands = scan_commands('export A="$(scontrol show hostnames "$X" | head -n 1)"\nsrun b\n')
+    assert [(c.line, c.words[0]) for c in commands] == [(1, "export"), (2, "srun")]
 
 
 def _invoke(*args: str):
