@@ -10,6 +10,7 @@ and the correct ones must give no finding at all.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,20 @@ def test_cli_missing_script_is_bad_input(tmp_path):
     assert res.exit_code == 2 and "nope.sbatch: no such file" in res.output
     res = _invoke(str(tmp_path))
     assert res.exit_code == 2 and "is a directory" in res.output
+
+
+def test_what_is_not_a_batch_script_is_refused_and_never_blocks(tmp_path):
+    """A FIFO would block a reader forever; a huge file is no batch script."""
+    fifo = tmp_path / "job.sbatch"
+    os.mkfifo(fifo)
+    res = _invoke(str(fifo))
+    assert res.exit_code == 2 and "not a regular file" in res.output
+    big = tmp_path / "big.sbatch"
+    big.write_bytes(b"#" * (5 * 1024 * 1024))
+    res = _invoke(str(big))
+    assert res.exit_code == 2 and "bigger than a batch script" in res.output
+    # a training script that is a FIFO is skipped, not read
+    batch = tmp_path / "ok.sbatch"
+    batch.write_text("#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\nsrun --kill-on-bad-exit=1 python train.py\n")
+    os.mkfifo(tmp_path / "train.py")
+    assert check_file(batch).findings == ()

@@ -51,6 +51,8 @@ def check(script: Path, training: Path | None, as_json: bool) -> None:
         raise UsageError(f"{script} is a directory, not a batch script", hint="give the .sbatch/.sh file") from None
     except FileNotFoundError:
         raise UsageError(f"{script}: no such file", hint="give the path of the batch script (job.sbatch)") from None
+    except ValueError as err:
+        raise UsageError(str(err), hint="give the .sbatch/.sh file you submit") from None
     except OSError as err:
         raise CorralError(f"{script}: cannot be read: {err.strerror}") from None
     errors = report.errors

@@ -117,8 +117,30 @@ def check_text(source: str, path: str = "job.sbatch", *, base: Path | None = Non
                   read=tuple(read))
 
 
+#: sbatch's own limit on a batch script (slurm.conf max_script_size, 4 MB by default);
+#: a training script bigger than this is not read either.
+MAX_SCRIPT_BYTES = 4 * 1024 * 1024
+
+
+def read_text(path: Path) -> str | None:
+    """A regular file's text, or None when it is something else (a FIFO
+    named train.py would block), bigger than :data:`MAX_SCRIPT_BYTES`, or
+    unreadable."""
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_SCRIPT_BYTES:
+            return None
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
 def check_file(path: Path, *, training_script: Path | None = None) -> Report:
-    """Check the batch script at ``path`` (OSError when it cannot be read)."""
+    """Check the batch script at ``path`` (OSError when it cannot be read;
+    ValueError when it is not a regular file of a batch script's size)."""
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise ValueError(f"{path} is not a regular file")
+    if path.is_file() and path.stat().st_size > MAX_SCRIPT_BYTES:
+        raise ValueError(f"{path} is bigger than a batch script may be ({MAX_SCRIPT_BYTES // 1024 // 1024} MiB)")
     source = path.read_text(errors="replace")
     return check_text(source, str(path), base=_workdir(source, path), training_script=training_script)
 
@@ -533,10 +555,7 @@ def _lightning(ctx: _Ctx, given: Path | None) -> tuple[list[Finding], list[str]]
         if launch.kind != "python" or not launch.program:
             continue
         path = given or _resolve(ctx, launch.program)
-        try:
-            source = path.read_text(errors="replace") if path else None
-        except OSError:
-            source = None
+        source = read_text(path) if path else None
         if source is None or not _LIGHTNING_IMPORT.search(source):
             continue
         read.append(str(path))
