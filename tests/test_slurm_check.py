@@ -188,3 +188,16 @@ def test_what_is_not_a_batch_script_is_refused_and_never_blocks(tmp_path):
     batch.write_text("#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\nsrun --kill-on-bad-exit=1 python train.py\n")
     os.mkfifo(tmp_path / "train.py")
     assert check_file(batch).findings == ()
+
+
+@pytest.mark.parametrize("extra, flagged", [
+    ("", True),
+    ("export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGUSR1\n", False),
+])
+def test_a_signal_torchrun_is_told_to_handle_does_not_kill_it(extra, flagged):
+    script = ("#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --time=10:00:00\n#SBATCH --signal=USR1@120\n"
+              f"{extra}srun --kill-on-bad-exit=1 bash -c 'torchrun --nnodes=2 --node-rank=$SLURM_NODEID t.py'\n")
+    codes = [f.code for f in check_text(script).findings]
+    assert ("signal-kills-launcher" in codes) is flagged
+    told = script.replace("torchrun --nnodes", "torchrun --signals-to-handle=SIGTERM,SIGUSR1 --nnodes")
+    assert "signal-kills-launcher" not in [f.code for f in check_text(told).findings]

@@ -349,14 +349,23 @@ def _signal(ctx: Ctx) -> list[Finding]:
                              "only when the command it waits for ends, i.e. at the time limit, too late"),
                     fix="start srun in the background and wait for it: srun ... & wait $!"))
         return found
+    handled = " ".join(raw for _, raw in raw_assignments(ctx.script).get("TORCHELASTIC_SIGNALS_TO_HANDLE", []))
+    if name in TORCHRUN_SIGNALS or re.search(rf"\bSIG{name}\b", handled.upper()):
+        return found
     for launch in ctx.launches:
-        if launch.under_srun and launch.kind in ("torchrun", "accelerate") and name not in TORCHRUN_SIGNALS:
+        told = option(launch.words, "--signals-to-handle", "--signals_to_handle")
+        if told and re.search(rf"\bSIG{name}\b", told[1].upper()):
+            continue
+        if launch.under_srun and launch.kind in ("torchrun", "accelerate"):
+            before = value.split("@")[1] if "@" in value else "120"
             found.append(Finding(
                 line=signal.line, code="signal-kills-launcher", severity="error",
-                message=(f"--signal={value} goes to every task, here {launch.kind}, which does not catch "
-                         f"SIG{name}: it dies on the spot and its ranks never hear of the time limit"),
-                fix=(f"send SIGTERM instead (#SBATCH --signal=TERM@{value.split('@')[1] if '@' in value else 120}): "
-                     f"{launch.kind} passes it to every rank and waits for them to save a checkpoint")))
+                message=(f"--signal={value} goes to every task, here {launch.kind}, which catches only SIGTERM, "
+                         f"SIGINT, SIGHUP and SIGQUIT: SIG{name} kills it on the spot and its ranks never hear of "
+                         "the time limit"),
+                fix=(f"send SIGTERM instead (#SBATCH --signal=TERM@{before}): {launch.kind} passes it to every "
+                     "rank and gives them 30 s to save a checkpoint (torch 2.9 and later can pass SIG{name} on: "
+                     f"torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIG{name})")))
             break
     return found
 
