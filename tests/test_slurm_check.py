@@ -201,3 +201,10 @@ def test_a_signal_torchrun_is_told_to_handle_does_not_kill_it(extra, flagged):
     assert ("signal-kills-launcher" in codes) is flagged
     told = script.replace("torchrun --nnodes", "torchrun --signals-to-handle=SIGTERM,SIGUSR1 --nnodes")
     assert "signal-kills-launcher" not in [f.code for f in check_text(told).findings]
+
+
+@pytest.mark.parametrize("shell", ["bash -c", "sh -xeuc", "bash -l -c", "bash -lc"])
+def test_the_per_task_string_is_read_whatever_the_shell_flags(shell):
+    script = ("#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --gres=gpu:4\n"
+              f"srun --kill-on-bad-exit=1 {shell} 'torchrun --nnodes=3 --node-rank=$SLURM_NODEID t.py'\n")
+    assert [(f.line, f.code) for f in check_text(script).findings] == [(4, "launcher-count-mismatch")]

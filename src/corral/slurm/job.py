@@ -214,9 +214,14 @@ def launches(script: BatchScript) -> list[Launch]:
 def _inner(command: Command, step: tuple[str, ...]) -> list[Command] | None:
     """The commands of ``bash -c 'STRING'`` (or sh, zsh), which a shell of
     each task runs; None when the step is not such a shell."""
-    if len(step) < 3 or Path(step[0]).name not in ("bash", "sh", "zsh", "dash") or step[1] not in ("-c", "-lc", "-l"):
+    if len(step) < 3 or Path(step[0]).name not in ("bash", "sh", "zsh", "dash"):
         return None
-    string = step[2] if step[1] != "-l" else (step[3] if len(step) > 3 and step[2] == "-c" else "")
+    flags = 1
+    while flags < len(step) - 1 and re.fullmatch(r"-[a-z]+", step[flags]) and "c" not in step[flags]:
+        flags += 1  # bash -l -c, sh -e -c
+    if flags >= len(step) - 1 or not re.fullmatch(r"-[a-z]*c[a-z]*", step[flags]):
+        return None  # bash script.sh: a file, not a string
+    string = step[flags + 1]
     return scan_commands(string, command.line_of(string.split("\n", 1)[0][:40]), per_task=True)
 
 
