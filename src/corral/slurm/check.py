@@ -297,7 +297,7 @@ def _step_vars(ctx: Ctx) -> list[Finding]:
         step_tasks = as_int(launch.srun.get("ntasks"))
         job_tasks = (ctx.job.nodes or 0) * (ctx.job.tasks_per_node or 0) or None
         for exp in launch.command.expansions:
-            if exp.name not in STEP_VARS:
+            if exp.name not in STEP_VARS or not exp.early:  # per task, srun may give the step's own
                 continue
             better, what = STEP_VARS[exp.name]
             step, job = (step_nodes, ctx.job.nodes) if what == "nodes" else (step_tasks, job_tasks)
