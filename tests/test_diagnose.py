@@ -1426,3 +1426,14 @@ def test_a_notice_is_never_handed_out_as_a_failed_runs_cause():
     assert diagnose_text(text) == []
     assert [d.rule_id for d in diagnose_text(text, notices=True)] == ["nccl-ib-fallback"]
     assert "Worth knowing (not a failure)" in _invoke("-", input=text).output
+
+
+@pytest.mark.parametrize("name", ["slurm-time-limit.log", "cuda-invalid-device-ordinal.2.log",
+                                  "nccl-peer-gpu-not-visible.log", "lightning-slurm-ntasks-mismatch.log",
+                                  "nccl-duplicate-rank.log", "address-in-use.log"])
+def test_slurm_symptoms_offer_corral_check_on_the_batch_script(name):
+    """A time limit with no checkpoint, an invalid device ordinal, ranks that all
+    say 0, a shared port: the batch script is the usual cause, and `corral check`
+    names its line."""
+    top = diagnose_path(FIXTURES / name)[0]
+    assert any("`corral check job.sbatch`" in step for step in top.fix), top.fix

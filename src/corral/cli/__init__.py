@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("corral.cli.bench", "bench", "Measure link bandwidth and all-reduce bus bandwidth."),
     "ssh": ("corral.cli.ssh", "ssh", "Set up (or tear down) passwordless SSH between all nodes."),
     "sync": ("corral.cli.sync", "sync", "Copy the project (or paths) to every node, verified."),
+    "check": ("corral.cli.check", "check", "Check a Slurm batch script for known mistakes, by line, with the fix."),
+    "export": ("corral.cli.export", "export", "Write a plain sbatch script that runs without corral."),
     "diagnose": ("corral.cli.diagnose", "diagnose", "Explain a failed run's log: likely cause and fix."),
     "stacks": ("corral.cli.stacks", "stacks", "Dump the Python stack of every rank of a running job."),
     "runs": ("corral.cli.runs", "runs", "List past runs and where their logs are."),

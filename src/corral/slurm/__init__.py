@@ -1,0 +1,1 @@
+"""Slurm batch scripts: reading, writing, submitting."""
