@@ -234,6 +234,27 @@ def test_accelerate_deepspeed_config_with_pdsh_starts_each_node_once(sandbox, wo
     assert_clean(sandbox, within=5)
 
 
+def test_deepspeed_env_file_reaches_every_rank_under_the_deepspeed_launcher(sandbox, workdir: Path) -> None:
+    """DeepSpeed's runner exports ~/.deepspeed_env and ./.deepspeed_env to every
+    node; corral's deepspeed launcher, which does not use that runner, dropped
+    them (a migrating user's NCCL_DEBUG, LD_LIBRARY_PATH, HF_HOME)."""
+    home = Path(os.environ["HOME"])  # the test's own home (conftest)
+    (home / ".deepspeed_env").write_text("NCCL_DEBUG=WARN\nHF_HOME=/data/hf\n")
+    (workdir / ".deepspeed_env").write_text("NCCL_DEBUG=INFO\nDS_TEST_PATH=/opt/ds:${HOME}\n")
+    write(workdir / "env.py", """
+        import os
+        e = os.environ
+        print("DSENV", e["RANK"], e.get("NCCL_DEBUG"), e.get("HF_HOME"),
+              e.get("DS_TEST_PATH") == "/opt/ds:" + e["HOME"], flush=True)
+    """)
+    res = corral(sandbox, ["--ranks", "all", "--launcher", "deepspeed", "-n", "1", "env.py"], workdir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "applying ~/.deepspeed_env and ./.deepspeed_env to every node" in res.stderr
+    found = sorted(re.findall(r"DSENV (\d+) (\S+) (\S+) (\S+)", res.stdout))
+    assert found == [(str(r), "INFO", "/data/hf", "True") for r in range(len(sandbox.nodes))], res.stdout[-3000:]
+    assert_clean(sandbox, within=5)
+
+
 # ---------------------------------------------------------------------------
 # failures
 

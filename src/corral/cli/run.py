@@ -149,7 +149,7 @@ def run(
         program=program, args=tuple(args), module=module, launcher=launcher,
         nproc_per_node=nproc_per_node, env=env,
         workdir=workdir, master_port=master_port, launcher_args=launcher_args,
-        preload=not fresh_ranks,
+        preload=not fresh_ranks, ds_env=_deepspeed_env(launcher),
     )
     if not dry_run:
         runs_dir = _writable_runs_dir(runs_dir)
@@ -184,6 +184,19 @@ def run(
         view.close()
     _summary(result, as_json)
     sys.exit(result.exit_code)
+
+
+def _deepspeed_env(launcher: str):
+    """``.deepspeed_env`` (``~/`` then ``./``, or ``$DS_ENV_FILE``), which
+    DeepSpeed's runner exports to every node: applied, and said in one line."""
+    if launcher != "deepspeed":
+        return None
+    from corral.interop.dsenv import load
+
+    ds_env = load(os.environ, Path.home(), Path.cwd())
+    if ds_env:
+        ui.notice(ds_env.summary())
+    return ds_env
 
 
 def _writable_runs_dir(given: Path | None) -> Path:
@@ -393,6 +406,8 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
         table = Table(box=None, show_header=False, padding=(0, 1, 0, 4))
         for k in sorted(node.env):
             table.add_row(k, "***" if is_secret_name(k) else escape(node.env[k]))
+        for k, parts in node.env_refs:
+            table.add_row(k, "***" if is_secret_name(k) else escape(_shown_ref(parts)) + "  (filled in on the node)")
         con.print(table)
     ui.notice("dry run: nothing was started")
 
@@ -412,6 +427,11 @@ def _port_unchosen(plan: LaunchPlan) -> LaunchPlan:
     return dataclasses.replace(plan, master_port=0, nodes=nodes)
 
 
+def _shown_ref(parts) -> str:
+    """``/opt/x:${LD_LIBRARY_PATH}``: a value the node fills in from its own variables."""
+    return "".join(text if kind == "lit" else "${%s}" % text for kind, text in parts)
+
+
 def _q(word: str) -> str:
     if word == PORT_UNCHOSEN or word.endswith("=" + PORT_UNCHOSEN) or word.endswith(":" + PORT_UNCHOSEN):
         return word  # a placeholder, not a shell word
@@ -427,7 +447,8 @@ def _plan_json(plan: LaunchPlan, unknown_slots: bool, *, preload: bool) -> dict:
         "nodes": [
             {"host": n.host.name, "node_rank": n.node_rank, "nproc": n.nproc, "first_rank": n.first_rank,
              "cwd": n.cwd, "argv": list(n.argv),
-             "env": {k: ("***" if is_secret_name(k) else v) for k, v in n.env.items()}}
+             "env": {k: ("***" if is_secret_name(k) else v) for k, v in n.env.items()},
+             "env_from_node": {k: ("***" if is_secret_name(k) else _shown_ref(p)) for k, p in n.env_refs}}
             for n in plan.nodes
         ],
     }

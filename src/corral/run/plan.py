@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Mapping
 
 from corral.errors import UsageError
+from corral.interop.dsenv import DsEnv, Part
 from corral.model import Cluster, Host
 from corral.run.launchers import MULTI_PROCESS, PLANNERS, REQUIRES, NodeContext
 from corral.run.scriptcheck import LightningShape, script_lightning_shape
@@ -102,6 +103,9 @@ class RunSpec:
     #: Fork the ranks from an interpreter that has imported torch
     #: (docs/run.md, "Preloaded ranks"); torchrun and accelerate only.
     preload: bool = True
+    #: ``.deepspeed_env`` as DeepSpeed's runner reads it (``--launcher deepspeed``):
+    #: above the head's allow-listed variables, below the cluster file's and --env.
+    ds_env: DsEnv | None = None
     run_id: str = field(default_factory=new_run_id)
 
     def __post_init__(self) -> None:
@@ -147,6 +151,9 @@ class NodePlan:
     pipe_rank: int | None
     #: Python module the node must import for this launcher (preflight checks it).
     requires: str | None
+    #: Variables whose value names the node's own variables (``.deepspeed_env``'s
+    #: ``LD_LIBRARY_PATH=/opt/x:$LD_LIBRARY_PATH``): the agent fills them in, in order.
+    env_refs: tuple[tuple[str, tuple[Part, ...]], ...] = ()
 
     @property
     def ranks(self) -> range:
@@ -283,6 +290,21 @@ def job_sets(name: str, cluster: Cluster, spec: RunSpec, host: Host, head_env: M
     return name in spec.env or name in cluster.env_for(host) or name in env_from_head(head_env)
 
 
+def _apply_ds_env(env: dict[str, str], ds_env: DsEnv | None) -> list[tuple[str, tuple[Part, ...]]]:
+    """``.deepspeed_env`` over the head's allow-listed variables (DeepSpeed's
+    runner, too, exports its file after the head's NCCL_*/PYTHON* ones): literal
+    values into ``env``; those naming the node's variables returned, in order."""
+    refs = []
+    for v in ds_env.values if ds_env else ():
+        value = v.literal
+        if value is None:
+            env.pop(v.name, None)
+            refs.append((v.name, v.parts))
+        else:
+            env[v.name] = value
+    return refs
+
+
 def build_plan(
     cluster: Cluster,
     spec: RunSpec,
@@ -319,6 +341,7 @@ def build_plan(
         cmd = PLANNERS[spec.launcher](ctx)
         env: dict[str, str] = {}
         env.update(travelling)
+        refs = _apply_ds_env(env, spec.ds_env)
         env.update(cluster.env_for(host))
         env.update(spec.env)
         if nf.gloo_ifname and "GLOO_SOCKET_IFNAME" not in env:
@@ -340,10 +363,12 @@ def build_plan(
         env.update(cmd.env)
         for key, value in cmd.env_defaults.items():
             env.setdefault(key, value)
+        node_refs = tuple((k, parts) for k, parts in refs if k not in env)  # unless set above it
         cwd = spec.workdir or cluster.workdir_for(host) or head_cwd
         nodes.append(NodePlan(
             host=host, node_rank=rank, nproc=nproc, first_rank=ctx.first_rank,
             argv=expand_contract(cmd.argv, env), env=env, cwd=cwd, pipe_rank=cmd.pipe_rank, requires=REQUIRES[spec.launcher],
+            env_refs=node_refs,
         ))
     return LaunchPlan(run_id=spec.run_id, launcher=spec.launcher, master_addr=master_addr,
                       master_port=master_port, nodes=tuple(nodes))

@@ -415,6 +415,7 @@ class Runner:
             spec = {
                 "argv": list(node.argv),
                 "env": env,
+                "env_refs": [[name, [list(p) for p in parts]] for name, parts in node.env_refs],
                 "cwd": node.cwd,
                 "pipe_rank": node.pipe_rank,
                 "ranks": [node.first_rank, node.nproc],  # the agent ignores other ranks' files
