@@ -28,7 +28,9 @@ from corral.run.plan import (
     NodeFacts,
     RunSpec,
     build_plan,
+    ds_config_notes,
     is_secret_name,
+    known_world_size,
     new_run_id,
     parse_env_flags,
 )
@@ -156,10 +158,14 @@ def run(
     cluster = cluster_opts.load()
     if not module:
         _refuse_missing_script(cluster, launcher, program, tuple(args), workdir, dry_run=dry_run)
+    # a DeepSpeed config's misspelled key, before connecting (the run says its notes)
+    ds_notes = ds_config_notes(spec, os.getcwd(), known_world_size(cluster, spec))
     if sync_first:
         script = None if module else script_and_args(launcher, program, tuple(args))[0]
         _sync_project(cluster, program=script, workdir=workdir, dry_run=dry_run)
     if dry_run:
+        for note in ds_notes:
+            ui.notice(note)
         _dry_run(cluster, spec, as_json)
         return
     assert runs_dir is not None

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Mapping
 
 from corral.errors import UsageError
+from corral.interop.dsconfig import check_run
 from corral.interop.dsenv import DsEnv, Part
 from corral.model import Cluster, Host
 from corral.run.launchers import MULTI_PROCESS, PLANNERS, REQUIRES, NodeContext
@@ -288,6 +289,24 @@ def job_sets(name: str, cluster: Cluster, spec: RunSpec, host: Host, head_env: M
     """Whether the job's environment on ``host`` (what travels from here, the
     cluster file's, --env) sets ``name``."""
     return name in spec.env or name in cluster.env_for(host) or name in env_from_head(head_env)
+
+
+def ds_config_notes(spec: RunSpec, head_cwd: str, world_size: int | None) -> list[str]:
+    """Every DeepSpeed JSON config the run names, checked before launch
+    (interop/dsconfig.py): raises for a misspelled key or batch arithmetic
+    that cannot hold, returns notes."""
+    return check_run(spec.args, spec.launcher_args, head_cwd, world_size)
+
+
+def known_world_size(cluster: Cluster, spec: RunSpec) -> int | None:
+    """The job's ranks when known before connecting (-n, or the hosts' slots)."""
+    if spec.launcher not in MULTI_PROCESS:
+        return len(cluster.hosts)
+    if spec.launcher == "lightning":
+        return None  # the script's Trainer decides
+    slots = {h.slots for h in cluster.hosts}
+    nproc = spec.nproc_per_node or (slots.pop() if len(slots) == 1 else None)
+    return None if nproc is None else nproc * len(cluster.hosts)
 
 
 def _apply_ds_env(env: dict[str, str], ds_env: DsEnv | None) -> list[tuple[str, tuple[Part, ...]]]:
