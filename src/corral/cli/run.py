@@ -22,6 +22,7 @@ from corral.errors import UsageError
 from corral.hostrange import fold
 from corral.run.console import RunConsole, parse_ranks
 from corral.run.history import default_root, unwritable
+from corral.run.imports import apply_imports
 from corral.run.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.run.plan import (
     LaunchPlan,
@@ -82,6 +83,10 @@ from corral.run.scriptcheck import (
                    "get a notice (with the tree when some ranks are apart). See also `corral stacks`.")
 @click.option("--launcher-arg", "launcher_args", multiple=True, metavar="ARG",
               help="Extra argument for the launcher itself (e.g. --launcher-arg=--mixed_precision=bf16). Repeatable.")
+@click.option("--config-file", default=None, metavar="FILE",
+              help="accelerate's config file (--launcher accelerate; as `accelerate launch --config_file`): "
+                   "read here and checked against the cluster (num_machines, num_processes as a total, "
+                   "main_process_ip/port, gpu_ids, ...), then used by accelerate on every node. See docs/interop.md.")
 @click.option("--fresh-ranks", is_flag=True,
               help="Start every rank as a new Python interpreter, as plain torchrun does. By default "
                    "(torchrun, accelerate) ranks are forked from one that has already imported torch, when "
@@ -109,6 +114,7 @@ def run(
     grace: float | None,
     hang_timeout: float | None,
     launcher_args: tuple[str, ...],
+    config_file: str | None,
     fresh_ranks: bool,
     runs_dir: Path | None,
     sync_first: bool,
@@ -151,14 +157,19 @@ def run(
         program=program, args=tuple(args), module=module, launcher=launcher,
         nproc_per_node=nproc_per_node, env=env,
         workdir=workdir, master_port=master_port, launcher_args=launcher_args,
-        preload=not fresh_ranks, ds_env=_deepspeed_env(launcher),
+        preload=not fresh_ranks,
     )
     if not dry_run:
         runs_dir = _writable_runs_dir(runs_dir)
     cluster = cluster_opts.load()
     if not module:
         _refuse_missing_script(cluster, launcher, program, tuple(args), workdir, dry_run=dry_run)
-    # a DeepSpeed config's misspelled key, before connecting (the run says its notes)
+    # other tools' files (.deepspeed_env, an accelerate config), one line each; then a
+    # DeepSpeed config's misspelled key, before connecting (the run says its notes)
+    spec, imported = apply_imports(spec, cluster, config_file=config_file, cwd=os.getcwd(), environ=os.environ,
+                                   home=Path.home())
+    for line in imported:
+        ui.notice(line)
     ds_notes = ds_config_notes(spec, os.getcwd(), known_world_size(cluster, spec))
     if sync_first:
         script = None if module else script_and_args(launcher, program, tuple(args))[0]
@@ -190,19 +201,6 @@ def run(
         view.close()
     _summary(result, as_json)
     sys.exit(result.exit_code)
-
-
-def _deepspeed_env(launcher: str):
-    """``.deepspeed_env`` (``~/`` then ``./``, or ``$DS_ENV_FILE``), which
-    DeepSpeed's runner exports to every node: applied, and said in one line."""
-    if launcher != "deepspeed":
-        return None
-    from corral.interop.dsenv import load
-
-    ds_env = load(os.environ, Path.home(), Path.cwd())
-    if ds_env:
-        ui.notice(ds_env.summary())
-    return ds_env
 
 
 def _writable_runs_dir(given: Path | None) -> Path:

@@ -21,6 +21,7 @@ Only named or allow-listed variables travel from the head (``env_from_head``).
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import time
@@ -107,6 +108,9 @@ class RunSpec:
     #: ``.deepspeed_env`` as DeepSpeed's runner reads it (``--launcher deepspeed``):
     #: above the head's allow-listed variables, below the cluster file's and --env.
     ds_env: DsEnv | None = None
+    #: DeepSpeed JSON configs named by another config (an accelerate config's
+    #: ``deepspeed_config_file``), checked with those the arguments name.
+    ds_configs: tuple[str, ...] = ()
     run_id: str = field(default_factory=new_run_id)
 
     def __post_init__(self) -> None:
@@ -295,7 +299,8 @@ def ds_config_notes(spec: RunSpec, head_cwd: str, world_size: int | None) -> lis
     """Every DeepSpeed JSON config the run names, checked before launch
     (interop/dsconfig.py): raises for a misspelled key or batch arithmetic
     that cannot hold, returns notes."""
-    return check_run(spec.args, spec.launcher_args, head_cwd, world_size)
+    more = [(os.path.join(head_cwd, os.path.expanduser(f)), f) for f in spec.ds_configs]
+    return check_run(spec.args, spec.launcher_args, head_cwd, world_size, more=more)
 
 
 def known_world_size(cluster: Cluster, spec: RunSpec) -> int | None:

@@ -1,0 +1,76 @@
+"""What other tools' files say about a run, applied to its ``RunSpec`` before
+anything connects (docs/interop.md):
+
+- ``.deepspeed_env`` for ``--launcher deepspeed`` (and for accelerate in
+  DeepSpeed mode with its pdsh launcher, which goes through DeepSpeed's
+  runner too);
+- an accelerate config file (``--config-file F`` or ``--launcher-arg
+  --config_file=F``), checked against the cluster; what corral follows from
+  it (processes per node, port, rendezvous backend) goes into the spec;
+- a DeepSpeed JSON config that config names, kept for ``ds_config_notes``.
+
+Returns the spec and the lines the CLI prints; the library never prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Mapping
+
+from corral.errors import UsageError
+from corral.interop import accelerate_config
+from corral.interop.dsenv import load as load_ds_env
+from corral.model import Cluster
+from corral.run.plan import RunSpec
+
+
+def launcher_config_file(launcher_args: tuple[str, ...]) -> str | None:
+    """The ``--config_file`` (or ``--config-file``) given to accelerate through --launcher-arg."""
+    for i, arg in enumerate(launcher_args):
+        name, eq, value = arg.partition("=")
+        if name in ("--config_file", "--config-file"):
+            return value if eq else (launcher_args[i + 1] if i + 1 < len(launcher_args) else None)
+    return None
+
+
+def _nproc_fixed(cluster: Cluster, spec: RunSpec) -> int | None:
+    slots = {h.slots for h in cluster.hosts}
+    return spec.nproc_per_node or (slots.pop() if len(slots) == 1 else None)
+
+
+def apply_imports(spec: RunSpec, cluster: Cluster, *, config_file: str | None, cwd: str,
+                  environ: Mapping[str, str], home: Path) -> tuple[RunSpec, list[str]]:
+    """``spec`` with what the files say applied, and the lines to print (one per file)."""
+    notes: list[str] = []
+    fans_out = False
+    given = launcher_config_file(spec.launcher_args)
+    if config_file is not None:
+        if spec.launcher != "accelerate":
+            raise UsageError(f"--config-file {config_file}: that is accelerate's config file, for --launcher "
+                             f"accelerate (this run's launcher is {spec.launcher})",
+                             hint="add --launcher accelerate, or leave --config-file out")
+        if given is not None:
+            raise UsageError(f"--config-file {config_file} and --launcher-arg --config_file {given}: one file",
+                             hint="keep --config-file")
+        spec = dataclasses.replace(spec, launcher_args=(*spec.launcher_args, "--config_file", config_file))
+        given = config_file
+    if spec.launcher == "accelerate" and given:
+        cfg = accelerate_config.read(os.path.join(cwd, os.path.expanduser(given)), given)
+        followed = accelerate_config.follow(cfg, hosts=cluster.hosts, nproc_per_node=_nproc_fixed(cluster, spec),
+                                            master_port=spec.master_port)
+        spec = dataclasses.replace(
+            spec, nproc_per_node=spec.nproc_per_node or followed.nproc_per_node,
+            master_port=spec.master_port or followed.master_port,
+            launcher_args=(*spec.launcher_args, *followed.launcher_args))
+        notes.append(accelerate_config.summary(cfg, followed))
+        if followed.deepspeed_config_file:
+            spec = dataclasses.replace(spec, ds_configs=(*spec.ds_configs, followed.deepspeed_config_file))
+        fans_out = followed.fans_out
+    if spec.launcher == "deepspeed" or fans_out:
+        ds_env = load_ds_env(environ, home, Path(cwd))
+        if ds_env:
+            spec = dataclasses.replace(spec, ds_env=ds_env)
+            notes.append(ds_env.summary())
+    return spec, notes
