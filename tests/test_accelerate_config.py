@@ -75,7 +75,7 @@ def test_num_processes_against_the_runs_own_processes_per_node() -> None:
 def test_what_corral_must_set_itself_is_set() -> None:
     f = followed("distributed_type: DEEPSPEED\nrdzv_backend: c10d\ndeepspeed_config:\n"
                  "  deepspeed_multinode_launcher: pdsh\n  deepspeed_config_file: ds.json\n")
-    assert f.launcher_args == ("--rdzv_backend", "static") and f.fans_out
+    assert any("rdzv_backend c10d -> static" in n for n in f.notes) and f.fans_out
     assert f.deepspeed_config_file == "ds.json"
     assert not followed("distributed_type: DEEPSPEED\n", n=1).fans_out  # one node: nothing fans out
 
@@ -115,3 +115,55 @@ def test_run_names_the_mistake_before_connecting(tmp_path: Path) -> None:
                           "--launcher", "accelerate", "--config-file", "acc.yaml", "t.py"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60, env=os.environ)
     assert res.returncode == 2 and "acc.yaml:8: num_processes: 6 is 3 per node on 2 host(s)" in res.stderr, res.stderr
+
+
+def _facts(texts: dict[str, str | None]) -> dict:
+    from corral.run.plan import NodeFacts
+
+    path = "~/.cache/huggingface/accelerate/default_config.yaml"
+    return {h: NodeFacts(accelerate_config=None if t is None else (path, t)) for h, t in texts.items()}
+
+
+def test_nodes_default_configs_both_at_machine_rank_0_are_named() -> None:
+    from corral.run.imports import node_accelerate_notes
+
+    spec = RunSpec(program="t.py", launcher="accelerate", run_id="r")
+    copied = GOOD.replace("num_processes: 8", "num_processes: 4")
+    with pytest.raises(ForeignConfigError) as e:
+        node_accelerate_notes(spec, hosts(2), _facts({"node1": copied, "node2": copied}), nproc=2)
+    assert e.value.message.startswith(
+        "node2:~/.cache/huggingface/accelerate/default_config.yaml:3: machine_rank: 0, and node1's is 0 too")
+    assert "set machine_rank: 1 on node2" in e.value.hint
+    right = copied.replace("machine_rank: 0", "machine_rank: 1")
+    assert node_accelerate_notes(spec, hosts(2), _facts({"node1": copied, "node2": right}), nproc=2) == []
+    with pytest.raises(ForeignConfigError, match="node1:.*:3: machine_rank: 1, but node1 is node 0"):
+        node_accelerate_notes(spec, hosts(2), _facts({"node1": right, "node2": None}), nproc=2)
+    # the same checks as a given file: num_processes against the run's processes
+    with pytest.raises(ForeignConfigError, match="num_processes: 4 is 2 per node.*starts 4 per node"):
+        node_accelerate_notes(spec, hosts(2), _facts({"node1": copied, "node2": right}), nproc=4)
+
+
+def test_single_machine_default_configs_are_said_to_be_overruled() -> None:
+    from corral.run.imports import node_accelerate_notes
+
+    one = "distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 8\nmachine_rank: 0\n"
+    spec = RunSpec(program="t.py", launcher="accelerate", run_id="r")
+    notes = node_accelerate_notes(spec, hosts(2), _facts({"node1": one, "node2": one}), nproc=2)
+    assert len(notes) == 1 and "on node[1-2] is for one machine" in notes[0]
+    given = RunSpec(program="t.py", launcher="accelerate", run_id="r", launcher_args=("--config_file=a.yaml",))
+    assert node_accelerate_notes(given, hosts(2), _facts({"node1": one, "node2": one}), nproc=2) == []
+
+
+def test_the_probe_reads_the_default_config_where_accelerate_does(tmp_path: Path, monkeypatch) -> None:
+    from corral.agent.probes import accelerate_default_config
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert accelerate_default_config() is None
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "accelerate" / "default_config.yaml").write_text(GOOD)
+    assert accelerate_default_config() == [str(tmp_path / "accelerate" / "default_config.yaml"), GOOD]
+
+
+def test_a_yaml_alias_is_refused() -> None:
+    with pytest.raises(ForeignConfigError, match="acc.yaml:2: uses a YAML alias"):
+        parse("a: &x [1, 2]\nb: [*x, *x]\n", "acc.yaml")

@@ -58,6 +58,12 @@ class AccelerateConfig:
 def parse(text: str, path: str) -> AccelerateConfig:
     """The settings and their lines, or an error naming the line YAML stopped at."""
     try:
+        # anchors and aliases: no accelerate config has them, and a node's file
+        # could use them to expand a few bytes into gigabytes
+        alias = next((e for e in yaml.parse(text, Loader=yaml.SafeLoader) if isinstance(e, yaml.AliasEvent)), None)
+        if alias is not None:
+            raise ForeignConfigError("uses a YAML alias (*name), which accelerate configs never do", path=path,
+                                     line=alias.start_mark.line + 1, hint="write the value out")
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         values = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -213,8 +219,7 @@ def follow(cfg: AccelerateConfig, *, hosts: Sequence[Host], nproc_per_node: int 
                         hint="write one of those (accelerate stops on any other)")
     args: list[str] = []
     backend = cfg.get("rdzv_backend")
-    if backend not in (None, "static") and nnodes > 1:
-        args += ["--rdzv_backend", "static"]
+    if backend not in (None, "static") and nnodes > 1:  # the planner passes --rdzv_backend static
         notes.append(f"rdzv_backend {backend} -> static: corral gives every node its rank in host order")
     launcher = cfg.get("deepspeed_config.deepspeed_multinode_launcher")
     deepspeed = str(cfg.get("distributed_type") or "").upper() == "DEEPSPEED"

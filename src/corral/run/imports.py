@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from corral.errors import UsageError
 from corral.interop import accelerate_config
 from corral.interop.dsenv import load as load_ds_env
-from corral.model import Cluster
-from corral.run.plan import RunSpec
+from corral.model import Cluster, Host
+from corral.run.plan import NodeFacts, RunSpec
 
 
 def launcher_config_file(launcher_args: tuple[str, ...]) -> str | None:
@@ -74,3 +74,47 @@ def apply_imports(spec: RunSpec, cluster: Cluster, *, config_file: str | None, c
             spec = dataclasses.replace(spec, ds_env=ds_env)
             notes.append(ds_env.summary())
     return spec, notes
+
+
+#: accelerate flags with which it does not read its default config.
+_NO_DEFAULT_CONFIG = ("--cpu",)
+
+
+def node_accelerate_notes(spec: RunSpec, hosts: Sequence[Host], facts: Mapping[str, NodeFacts],
+                          nproc: int) -> list[str]:
+    """Each node's own accelerate default config, which accelerate reads there
+    when no --config_file is given, checked against the cluster: a multi-machine
+    one must agree with it, and its ``machine_rank`` must be that node's rank
+    (two nodes with ``machine_rank: 0``, copied from one machine, is the usual
+    mistake).  A single-machine one is overruled by corral's flags: said."""
+    if spec.launcher != "accelerate" or launcher_config_file(spec.launcher_args) is not None \
+            or any(a in _NO_DEFAULT_CONFIG for a in spec.launcher_args):
+        return []
+    single, ranks = [], {}
+    for index, host in enumerate(hosts):
+        pair = facts.get(host.name, NodeFacts()).accelerate_config
+        if pair is None:
+            continue
+        cfg = accelerate_config.parse(pair[1], f"{host.name}:{pair[0]}")
+        if (cfg.get("num_machines") or 1) == 1:
+            single.append(host.name)
+            continue
+        accelerate_config.follow(cfg, hosts=hosts, nproc_per_node=nproc, master_port=None)
+        rank = cfg.get("machine_rank")
+        if rank in ranks:
+            other = ranks[rank]
+            raise cfg.error("machine_rank", f"{rank}, and {other.path.split(':')[0]}'s is {rank} too: two nodes "
+                                            "cannot have one rank (a config copied from one machine?)",
+                            hint=f"set machine_rank: {index} on {host.name} (its place in the host order), or "
+                                 "remove machine_rank from the nodes' configs: corral gives each node its rank")
+        if rank is not None and rank != index:
+            raise cfg.error("machine_rank", f"{rank}, but {host.name} is node {index} in the host order",
+                            hint=f"set machine_rank: {index}, or list the hosts in the order of their "
+                                 "machine_rank, or remove machine_rank: corral gives each node its rank")
+        ranks[rank] = cfg
+    if single:
+        from corral.hostrange import fold
+
+        return [f"the accelerate default config on {fold(single)} is for one machine: corral's --num_machines, "
+                "--machine_rank, --num_processes and rendezvous win over it there; its other settings apply"]
+    return []

@@ -137,6 +137,8 @@ class NodeFacts:
     address: str | None = None
     #: distributed_type of the node's accelerate default_config.yaml, if any.
     accelerate_mode: str | None = None
+    #: (path, text) of that file, checked against the cluster (run/imports.py).
+    accelerate_config: tuple[str, str] | None = None
     #: GLOO_SOCKET_IFNAME for a node whose host name resolves to loopback
     #: (unless the job sets one).
     gloo_ifname: str | None = None

@@ -50,6 +50,7 @@ from corral.errors import (
 from corral.model import Cluster
 from corral.run.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
 from corral.run.logs import RunLogs
+from corral.run.imports import node_accelerate_notes
 from corral.run.plan import LaunchPlan, RunSpec, build_plan, ds_config_notes, job_sets
 from corral.run.preflight import choose_master, local_disk_warning, node_facts, preflight
 from corral.run.record import error_record, failure_record, one_line, plan_record
@@ -372,6 +373,7 @@ class Runner:
                 if problem:
                     raise UsageError(problem[0], hint=problem[1])
                 notes += ds_config_notes(self.spec, self.head_cwd, plan.world_size)
+                notes += node_accelerate_notes(self.spec, self.cluster.hosts, facts, plan.nodes[0].nproc)
                 for note in notes:
                     ui.notice(note)
         except BaseException:
