@@ -130,6 +130,8 @@ def run(
       corral run examples/train_ddp.py --epochs 3       # this machine
       corral run -c hostfile train.py                   # every host in a DeepSpeed hostfile
       corral run -H gpu1:8,gpu2:8 --launcher accelerate train.py
+      corral run -c hostfile --launcher accelerate --config-file acc.yaml train.py
+      corral run -c hostfile --launcher deepspeed train.py --deepspeed_config ds.json
       corral run --dry-run -c corral.toml train.py      # show each node's command
 
     corral's options go before PROGRAM; everything after it is passed to the
@@ -137,6 +139,13 @@ def run(
     logs go to runs/<run-id>/<host>/rank<N>.log.  The exit code is the
     workload's (130 after Ctrl-C, 124 after --hang-timeout); 3 when a node is
     unreachable, fails its checks before launch or is lost; 2 for bad input.
+
+    Other tools' files are read and checked first (docs/interop.md): with
+    --launcher deepspeed, ~/.deepspeed_env and ./.deepspeed_env (or
+    $DS_ENV_FILE) are applied to every node as DeepSpeed's runner does; an
+    accelerate config (--config-file) is checked against the cluster; a
+    DeepSpeed JSON config the script is given is checked for unknown keys
+    and batch-size arithmetic.
     """
     if program.startswith("-"):
         _refuse_unknown_option(program)
