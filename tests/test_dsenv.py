@@ -102,3 +102,30 @@ def test_precedence_allow_list_then_file_then_cluster_file_then_env_flag(tmp_pat
     node = {"LD_LIBRARY_PATH": "/usr/local/cuda/lib64"}
     fill_env_refs(node, [[k, [list(x) for x in parts]] for k, parts in p.nodes[1].env_refs])
     assert node["LD_LIBRARY_PATH"] == "/opt/ds:/usr/local/cuda/lib64"
+
+
+def test_dry_run_says_and_shows_it(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / ".deepspeed_env").write_text("NCCL_DEBUG=INFO\nLD_LIBRARY_PATH=/opt/ds:$LD_LIBRARY_PATH\n"
+                                             "WANDB_API_KEY=abc\n")
+    (tmp_path / "t.py").write_text("print(1)\n")
+    argv = [sys.executable, "-m", "corral", "run", "--dry-run", "-H", "localhost:2", "--launcher", "deepspeed"]
+    res = subprocess.run([*argv, "--json", "t.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env=os.environ)
+    assert res.returncode == 0, res.stderr
+    assert "applying ./.deepspeed_env to every node, as DeepSpeed's runner does: NCCL_DEBUG, LD_LIBRARY_PATH, " \
+           "WANDB_API_KEY" in res.stderr
+    node = json.loads(res.stdout)["nodes"][0]
+    assert node["env"]["NCCL_DEBUG"] == "INFO" and node["env"]["WANDB_API_KEY"] == "***"
+    assert node["env_from_node"] == {"LD_LIBRARY_PATH": "/opt/ds:${LD_LIBRARY_PATH}"}
+    res = subprocess.run([*argv, "t.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=os.environ)
+    shown = " ".join(res.stdout.split())  # (the table wraps at 80 columns)
+    assert "LD_LIBRARY_PATH /opt/ds:${LD_LIBRARY_PATH} (filled in on the node)" in shown and "abc" not in shown
+    # torchrun does not read it (DeepSpeed's runner is what applies it)
+    res = subprocess.run([*argv[:-2], "--json", "t.py"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60, env=os.environ)
+    assert "NCCL_DEBUG" not in json.loads(res.stdout)["nodes"][0]["env"]

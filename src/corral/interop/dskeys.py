@@ -110,7 +110,7 @@ def installed_keys(python: str = sys.executable) -> DsKeys | None:
         return None
     try:
         out = subprocess.run([python, "-c", "import json, corral.interop.dskeys as k; print(json.dumps(k.collect()))"],
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, timeout=60)
         return _from(json.loads(out.stdout.strip().splitlines()[-1]), "installed here")
     except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError):
         return None
