@@ -42,7 +42,7 @@ def followed(text: str, n: int = 2, nproc: int | None = None, port: int | None =
 
 def test_a_correct_config_gives_the_processes_per_node_and_the_port() -> None:
     f = followed(GOOD)
-    assert (f.nproc_per_node, f.master_port, f.launcher_args) == (4, 29555, ())
+    assert (f.nproc_per_node, f.master_port) == (4, 29555)
     assert any("machine_rank 0 is one node's" in n for n in f.notes)
 
 
@@ -167,3 +167,10 @@ def test_the_probe_reads_the_default_config_where_accelerate_does(tmp_path: Path
 def test_a_yaml_alias_is_refused() -> None:
     with pytest.raises(ForeignConfigError, match="acc.yaml:2: uses a YAML alias"):
         parse("a: &x [1, 2]\nb: [*x, *x]\n", "acc.yaml")
+
+
+def test_a_config_only_on_the_nodes_is_said_not_refused(tmp_path: Path) -> None:
+    spec, notes = apply_imports(RunSpec(program="t.py", launcher="accelerate", run_id="r", workdir="/srv/p"),
+                                Cluster(hosts=hosts(2)), config_file="acc.yaml", cwd=str(tmp_path), environ={},
+                                home=tmp_path)
+    assert spec.launcher_args == ("--config_file", "acc.yaml") and "not here, so not checked" in notes[0]

@@ -89,10 +89,13 @@ def parse(text: str, path: str) -> AccelerateConfig:
     return AccelerateConfig(path=path, values=values, lines=lines)
 
 
-def read(path: str, shown: str) -> AccelerateConfig:
+def read(path: str, shown: str) -> AccelerateConfig | None:
+    """The file, or None when it is not here (it may be on the nodes only, under --workdir)."""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None
     except OSError as e:
         raise ForeignConfigError(f"cannot read the accelerate config ({e.strerror})", path=shown,
                                  hint="give an existing file (it is read here, and by accelerate on every "
@@ -110,8 +113,6 @@ class Followed:
     nproc_per_node: int | None = None
     #: the rendezvous port, from main_process_port when --master-port says nothing
     master_port: int | None = None
-    #: arguments for `accelerate launch` on every node that corral must set
-    launcher_args: tuple[str, ...] = ()
     #: a DeepSpeed JSON config the file names (deepspeed_config.deepspeed_config_file)
     deepspeed_config_file: str | None = None
     #: the file's DeepSpeed multi-node launcher is pdsh (or another fan-out one)
@@ -155,8 +156,36 @@ def follow(cfg: AccelerateConfig, *, hosts: Sequence[Host], nproc_per_node: int 
     """Check the file against the cluster and this run's flags; return what corral follows.
 
     ``nproc_per_node``: processes per node that -n or the hosts' slots fix (None: not fixed)."""
-    nnodes = len(hosts)
     notes: list[str] = []
+    per_node = _processes(cfg, len(hosts), nproc_per_node, notes)
+    port = _port(cfg, hosts, master_port)
+    _main_process_ip(cfg, hosts, notes)
+    rank = _int(cfg, "machine_rank", 0)
+    if rank is not None and len(hosts) > 1:
+        notes.append(f"machine_rank {rank} is one node's: corral gives each node its own (host order)")
+    precision = cfg.get("mixed_precision")
+    if precision is not None and str(precision) not in PRECISIONS:
+        raise cfg.error("mixed_precision", f"{precision!r} is not one of {', '.join(PRECISIONS)}",
+                        hint="write one of those (accelerate stops on any other)")
+    backend = cfg.get("rdzv_backend")
+    if backend not in (None, "static") and len(hosts) > 1:  # the planner passes --rdzv_backend static
+        notes.append(f"rdzv_backend {backend} -> static: corral gives every node its rank in host order")
+    kind = str(cfg.get("distributed_type") or "").upper()
+    launcher = cfg.get("deepspeed_config.deepspeed_multinode_launcher")
+    fans_out = kind == "DEEPSPEED" and len(hosts) > 1 and (launcher or "pdsh") != PER_NODE_LAUNCHER
+    if fans_out:
+        notes.append(f"deepspeed_multinode_launcher {launcher or 'pdsh (its default)'}: corral starts each node's "
+                     "own processes instead (no pdsh fan-out from every node)")
+    if cfg.get("fsdp_config") and kind != "FSDP":
+        notes.append("fsdp_config is set but distributed_type is not FSDP: accelerate ignores it")
+    ds_file = cfg.get("deepspeed_config.deepspeed_config_file")
+    return Followed(nproc_per_node=per_node if nproc_per_node is None else None,
+                    master_port=port if master_port is None else None,
+                    deepspeed_config_file=str(ds_file) if ds_file else None, fans_out=fans_out, notes=tuple(notes))
+
+
+def _processes(cfg: AccelerateConfig, nnodes: int, nproc_per_node: int | None, notes: list[str]) -> int | None:
+    """num_machines, num_processes (a total) and gpu_ids against the cluster: the processes per node they give."""
     machines = _int(cfg, "num_machines", 1)
     if machines is not None and machines != nnodes:
         raise cfg.error("num_machines", f"{machines}, but the cluster has {nnodes} host(s)",
@@ -164,8 +193,6 @@ def follow(cfg: AccelerateConfig, *, hosts: Sequence[Host], nproc_per_node: int 
                              "--num_machines itself, so the file and the cluster must agree)")
     procs = _int(cfg, "num_processes", 1)
     per_node = None
-    gpu_ids = cfg.get("gpu_ids")
-    ids = None if gpu_ids in (None, "all") else [g for g in str(gpu_ids).split(",") if g.strip()]
     if procs is not None:
         if procs % nnodes:
             raise cfg.error("num_processes", f"{procs} processes (a total across machines) do not divide "
@@ -179,60 +206,46 @@ def follow(cfg: AccelerateConfig, *, hosts: Sequence[Host], nproc_per_node: int 
                                              f"starts {nproc_per_node} per node ({nproc_per_node * nnodes} in all)",
                             hint=f"set num_processes: {nproc_per_node * nnodes} (the total across machines), "
                                  f"or -n {per_node}")
-    if ids is not None:
-        want = per_node or nproc_per_node
-        if want is not None and want != len(ids):
-            raise cfg.error("gpu_ids", f"{gpu_ids} is {len(ids)} GPU(s), but each node starts {want} process(es)",
-                            hint=f"list {want} GPU ids, or make num_processes {len(ids) * nnodes}")
-        per_node = per_node or len(ids)
-        notes.append(f"gpu_ids {gpu_ids}: accelerate sets CUDA_VISIBLE_DEVICES={gpu_ids} on every node")
+    gpu_ids = cfg.get("gpu_ids")
+    if gpu_ids in (None, "all"):
+        return per_node
+    ids = [g for g in str(gpu_ids).split(",") if g.strip()]
+    want = per_node or nproc_per_node
+    if want is not None and want != len(ids):
+        raise cfg.error("gpu_ids", f"{gpu_ids} is {len(ids)} GPU(s), but each node starts {want} process(es)",
+                        hint=f"list {want} GPU ids, or make num_processes {len(ids) * nnodes}")
+    notes.append(f"gpu_ids {gpu_ids}: accelerate sets CUDA_VISIBLE_DEVICES={gpu_ids} on every node")
+    return per_node or len(ids)
+
+
+def _port(cfg: AccelerateConfig, hosts: Sequence[Host], master_port: int | None) -> int | None:
     port = _int(cfg, "main_process_port", 1)
-    used_port = None
-    if port is not None:
-        ssh_ports = {22} | {h.port for h in hosts if h.port}
-        if port in ssh_ports or port > 65535:
-            raise cfg.error("main_process_port", f"{port} is {'an ssh port' if port in ssh_ports else 'no port'}: "
-                                                 "the rendezvous would collide with sshd on node 0",
-                            hint="remove main_process_port (corral picks a free port on node 0), or choose a "
-                                 "free one such as 29500")
-        if master_port is not None and master_port != port:
-            raise cfg.error("main_process_port", f"{port}, but --master-port is {master_port}",
-                            hint="drop one of them")
-        used_port = port if master_port is None else None
+    if port is None:
+        return None
+    ssh_ports = {22} | {h.port for h in hosts if h.port}
+    if port in ssh_ports or port > 65535:
+        raise cfg.error("main_process_port", f"{port} is {'an ssh port' if port in ssh_ports else 'no port'}: "
+                                             "the rendezvous would collide with sshd on node 0",
+                        hint="remove main_process_port (corral picks a free port on node 0), or choose a "
+                             "free one such as 29500")
+    if master_port is not None and master_port != port:
+        raise cfg.error("main_process_port", f"{port}, but --master-port is {master_port}", hint="drop one of them")
+    return port
+
+
+def _main_process_ip(cfg: AccelerateConfig, hosts: Sequence[Host], notes: list[str]) -> None:
     ip = cfg.get("main_process_ip")
-    if ip not in (None, "") and nnodes > 1:
-        index = host_index(str(ip), hosts)
-        if index is not None and index != 0:
-            raise cfg.error("main_process_ip", f"{ip} is {hosts[index].name}, node {index}, not the first host "
-                                               f"{hosts[0].name}: corral's rendezvous is on node 0",
-                            hint=f"list {hosts[index].name} first in the cluster file, or remove main_process_ip "
-                                 "(corral uses the address of node 0 that every node reaches)")
-        if index is None:
-            notes.append(f"main_process_ip {ip} is not a name or address of the first host {hosts[0].name} known "
-                         "here: corral uses node 0's address that every node reaches")
-    rank = _int(cfg, "machine_rank", 0)
-    if rank is not None and nnodes > 1:
-        notes.append(f"machine_rank {rank} is one node's: corral gives each node its own (host order)")
-    precision = cfg.get("mixed_precision")
-    if precision is not None and str(precision) not in PRECISIONS:
-        raise cfg.error("mixed_precision", f"{precision!r} is not one of {', '.join(PRECISIONS)}",
-                        hint="write one of those (accelerate stops on any other)")
-    args: list[str] = []
-    backend = cfg.get("rdzv_backend")
-    if backend not in (None, "static") and nnodes > 1:  # the planner passes --rdzv_backend static
-        notes.append(f"rdzv_backend {backend} -> static: corral gives every node its rank in host order")
-    launcher = cfg.get("deepspeed_config.deepspeed_multinode_launcher")
-    deepspeed = str(cfg.get("distributed_type") or "").upper() == "DEEPSPEED"
-    fans_out = deepspeed and nnodes > 1 and (launcher or "pdsh") != PER_NODE_LAUNCHER
-    if fans_out:
-        notes.append(f"deepspeed_multinode_launcher {launcher or 'pdsh (its default)'}: corral starts each node's "
-                     "own processes instead (no pdsh fan-out from every node)")
-    ds_file = cfg.get("deepspeed_config.deepspeed_config_file")
-    if cfg.get("fsdp_config") and str(cfg.get("distributed_type") or "").upper() != "FSDP":
-        notes.append("fsdp_config is set but distributed_type is not FSDP: accelerate ignores it")
-    return Followed(nproc_per_node=per_node if nproc_per_node is None else None, master_port=used_port,
-                    launcher_args=tuple(args), deepspeed_config_file=str(ds_file) if ds_file else None,
-                    fans_out=fans_out, notes=tuple(notes))
+    if ip in (None, "") or len(hosts) < 2:
+        return
+    index = host_index(str(ip), hosts)
+    if index is None:
+        notes.append(f"main_process_ip {ip} is not a name or address of the first host {hosts[0].name} known "
+                     "here: corral uses node 0's address that every node reaches")
+    elif index != 0:
+        raise cfg.error("main_process_ip", f"{ip} is {hosts[index].name}, node {index}, not the first host "
+                                           f"{hosts[0].name}: corral's rendezvous is on node 0",
+                        hint=f"list {hosts[index].name} first in the cluster file, or remove main_process_ip "
+                             "(corral uses the address of node 0 that every node reaches)")
 
 
 def summary(cfg: AccelerateConfig, followed: Followed) -> str:

@@ -122,7 +122,7 @@ def check_keys(located: _Located, shown: str, keys: DsKeys) -> None:
 def _unknown(text: str, shown: str, path: list[str], key: str, known: frozenset[str], keys: DsKeys) -> None:
     full = ".".join([*path, key])
     near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
-    where = f"the top level" if not path else ".".join(path)
+    where = "the top level" if not path else ".".join(path)
     source = f"DeepSpeed {keys.version}, {keys.origin}"
     if near:
         hint = f"did you mean {near[0]!r}? rename the key to {'.'.join([*path, near[0]])}"

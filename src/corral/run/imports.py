@@ -56,14 +56,18 @@ def apply_imports(spec: RunSpec, cluster: Cluster, *, config_file: str | None, c
                              hint="keep --config-file")
         spec = dataclasses.replace(spec, launcher_args=(*spec.launcher_args, "--config_file", config_file))
         given = config_file
+    cfg = None
     if spec.launcher == "accelerate" and given:
         cfg = accelerate_config.read(os.path.join(cwd, os.path.expanduser(given)), given)
+        if cfg is None:
+            notes.append(f"accelerate config {given}: not here, so not checked before launch (accelerate reads "
+                         "it on every node, from its working directory)")
+    if cfg is not None:
         followed = accelerate_config.follow(cfg, hosts=cluster.hosts, nproc_per_node=_nproc_fixed(cluster, spec),
                                             master_port=spec.master_port)
         spec = dataclasses.replace(
             spec, nproc_per_node=spec.nproc_per_node or followed.nproc_per_node,
-            master_port=spec.master_port or followed.master_port,
-            launcher_args=(*spec.launcher_args, *followed.launcher_args))
+            master_port=spec.master_port or followed.master_port)
         notes.append(accelerate_config.summary(cfg, followed))
         if followed.deepspeed_config_file:
             spec = dataclasses.replace(spec, ds_configs=(*spec.ds_configs, followed.deepspeed_config_file))
