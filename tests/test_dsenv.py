@@ -129,3 +129,16 @@ def test_dry_run_says_and_shows_it(tmp_path: Path) -> None:
     res = subprocess.run([*argv[:-2], "--json", "t.py"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=60, env=os.environ)
     assert "NCCL_DEBUG" not in json.loads(res.stdout)["nodes"][0]["env"]
+
+
+def test_contract_variables_in_the_file_are_said_not_applied(tmp_path: Path) -> None:
+    from corral.run.imports import apply_imports
+
+    (tmp_path / ".deepspeed_env").write_text("NCCL_DEBUG=INFO\nMASTER_PORT=29999\n")
+    c = Cluster(hosts=(Host(name="n1", slots=1), Host(name="n2", slots=1)))
+    spec, notes = apply_imports(RunSpec(program="t.py", launcher="deepspeed", run_id="r"), c, config_file=None,
+                                cwd=str(tmp_path), environ={}, home=tmp_path / "h")
+    assert notes[1].startswith("MASTER_PORT (./.deepspeed_env:2): set by corral for every node, so not applied")
+    p = build_plan(c, spec, {h.name: NodeFacts() for h in c.hosts}, master_addr="10.0.0.1", master_port=29500,
+                   head_env={}, head_cwd=str(tmp_path))
+    assert p.nodes[0].env["MASTER_PORT"] == "29500" and p.nodes[0].env["NCCL_DEBUG"] == "INFO"

@@ -23,7 +23,7 @@ from corral.errors import UsageError
 from corral.interop import accelerate_config
 from corral.interop.dsenv import load as load_ds_env
 from corral.model import Cluster, Host
-from corral.run.plan import NodeFacts, RunSpec
+from corral.run.plan import CONTRACT, NodeFacts, RunSpec
 
 
 def launcher_config_file(launcher_args: tuple[str, ...]) -> str | None:
@@ -77,6 +77,11 @@ def apply_imports(spec: RunSpec, cluster: Cluster, *, config_file: str | None, c
         if ds_env:
             spec = dataclasses.replace(spec, ds_env=ds_env)
             notes.append(ds_env.summary())
+            owned = [v for v in ds_env.values if v.name in CONTRACT]
+            if owned:
+                notes.append(", ".join(f"{v.name} ({v.source})" for v in owned) + ": set by corral for every "
+                             "node, so not applied (DeepSpeed's launcher sets them over the file too); "
+                             "--master-port chooses the port")
     return spec, notes
 
 
