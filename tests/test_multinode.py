@@ -234,6 +234,67 @@ def test_accelerate_deepspeed_config_with_pdsh_starts_each_node_once(sandbox, wo
     assert_clean(sandbox, within=5)
 
 
+def test_a_correct_accelerate_config_runs_as_the_cluster_says(sandbox, workdir: Path) -> None:
+    """A multi-machine accelerate config (num_processes a total, the first host
+    as main process, a c10d rendezvous) runs with corral's node ranks; its
+    port is the rendezvous port."""
+    nodes = len(sandbox.nodes)
+    port = 20000 + os.getpid() % 20000
+    write(workdir / "acc.yaml", f"""
+        compute_environment: LOCAL_MACHINE
+        distributed_type: MULTI_GPU
+        machine_rank: 0
+        main_process_ip: {sandbox.nodes[0]}
+        main_process_port: {port}
+        mixed_precision: 'no'
+        num_machines: {nodes}
+        num_processes: {2 * nodes}
+        rdzv_backend: c10d
+        same_network: true
+        gpu_ids: all
+    """)
+    write(workdir / "ranks.py", """
+        import os
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print("RANKLINE", os.environ["RANK"], os.environ["GROUP_RANK"], os.environ["MASTER_PORT"], int(t.item()),
+              flush=True)
+        dist.destroy_process_group()
+    """)
+    res = corral(sandbox, ["--ranks", "all", "--launcher", "accelerate", "--config-file", "acc.yaml", "ranks.py"],
+                 workdir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"accelerate config acc.yaml: distributed_type MULTI_GPU, num_machines {nodes}" in res.stderr
+    assert "rdzv_backend c10d -> static" in res.stderr
+    found = sorted(re.findall(r"RANKLINE (\d+) (\d+) (\d+) (\d+)", res.stdout), key=lambda f: int(f[0]))
+    world = 2 * nodes
+    assert found == [(str(r), str(r // 2), str(port), str(world)) for r in range(world)], res.stdout[-3000:]
+    assert_clean(sandbox, within=5)
+
+
+def test_deepspeed_env_file_reaches_every_rank_under_the_deepspeed_launcher(sandbox, workdir: Path) -> None:
+    """DeepSpeed's runner exports ~/.deepspeed_env and ./.deepspeed_env to every
+    node; corral's deepspeed launcher, which does not use that runner, dropped
+    them (a migrating user's NCCL_DEBUG, LD_LIBRARY_PATH, HF_HOME)."""
+    home = Path(os.environ["HOME"])  # the test's own home (conftest)
+    (home / ".deepspeed_env").write_text("NCCL_DEBUG=WARN\nHF_HOME=/data/hf\n")
+    (workdir / ".deepspeed_env").write_text("NCCL_DEBUG=INFO\nDS_TEST_PATH=/opt/ds:${HOME}\n")
+    write(workdir / "env.py", """
+        import os
+        e = os.environ
+        print("DSENV", e["RANK"], e.get("NCCL_DEBUG"), e.get("HF_HOME"),
+              e.get("DS_TEST_PATH") == "/opt/ds:" + e["HOME"], flush=True)
+    """)
+    res = corral(sandbox, ["--ranks", "all", "--launcher", "deepspeed", "-n", "1", "env.py"], workdir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "applying ~/.deepspeed_env and ./.deepspeed_env to every node" in res.stderr
+    found = sorted(re.findall(r"DSENV (\d+) (\S+) (\S+) (\S+)", res.stdout))
+    assert found == [(str(r), "INFO", "/data/hf", "True") for r in range(len(sandbox.nodes))], res.stdout[-3000:]
+    assert_clean(sandbox, within=5)
+
+
 # ---------------------------------------------------------------------------
 # failures
 

@@ -66,6 +66,16 @@ def test_accelerate_plan() -> None:
     assert "--multi_gpu" in cpu.nodes[0].argv and cpu.nodes[0].env["ACCELERATE_USE_CPU"] == "1"
 
 
+def test_accelerate_on_several_nodes_keeps_corrals_node_ranks() -> None:
+    """A config's ``rdzv_backend: c10d`` would give node ranks out in order of
+    arrival; corral says ``static`` on several nodes (accelerate's default)."""
+    def has_static(p) -> list[bool]:
+        return [" --rdzv_backend static " in " ".join(n.argv) for n in p.nodes]
+
+    assert has_static(plan(RunSpec(program="train.py", launcher="accelerate", run_id="r"))) == [True, True]
+    assert has_static(plan(RunSpec(program="train.py", launcher="accelerate", run_id="r"), cluster(1))) == [False]
+
+
 def test_torchrun_tells_accelerate_a_cpu_only_node_is_one() -> None:
     """Accelerate (and the transformers Trainer) under torchrun on a node
     without GPUs make every rank a world of its own unless ACCELERATE_USE_CPU

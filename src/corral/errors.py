@@ -132,3 +132,20 @@ class NotImplementedYet(CorralError):
     """
 
     exit_code = EXIT_NOT_IMPLEMENTED
+
+
+class ForeignConfigError(UsageError):
+    """Another tool's configuration file (``.deepspeed_env``, an accelerate
+    config, a DeepSpeed JSON config) that corral cannot take as it is.
+
+    ``path``, ``line`` and ``key`` point at the offending setting:
+    ``ds_config.json:12: zero_optimization.stage3_gather_16bit_weights_on_mode_save ...``.
+    """
+
+    def __init__(self, message: str, *, path: str, line: int | None = None, key: str | None = None,
+                 hint: str | None = None):
+        self.path = path
+        self.line = line
+        self.key = key
+        where = f"{path}:{line}: " if line is not None else f"{path}: "
+        super().__init__(where + message, hint=hint)

@@ -97,3 +97,12 @@ def job_environment(inherited: dict, job: dict) -> dict:
     env = {k: v for k, v in inherited.items() if k not in FOREIGN_RANK_VARS}
     env.update(job)
     return env
+
+
+def fill_env_refs(env: dict, refs: list) -> None:
+    """Variables whose value names this node's own (``.deepspeed_env``'s
+    ``LD_LIBRARY_PATH=/opt/x:$LD_LIBRARY_PATH``), filled in as the node's shell
+    fills in ``export NAME="..."`` for DeepSpeed's runner: in order, each
+    seeing the ones before it; an unset variable is empty."""
+    for name, parts in refs:
+        env[name] = "".join(text if kind == "lit" else env.get(text, "") for kind, text in parts)

@@ -36,7 +36,7 @@ import time
 
 try:  # on a node, modules are installed under their wire names
     from corral_agent_jobdir import JobDir
-    from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment
+    from corral_agent_jobenv import activate_python, elastic_log_dir, fill_env_refs, job_environment
     from corral_agent_prescan import env_mismatch
     from corral_agent_private import UnsafePlace
     from corral_agent_prewarm import PREWARM_FIXED, PREWARM_SENSITIVE, prewarm_program
@@ -50,7 +50,7 @@ try:  # on a node, modules are installed under their wire names
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
     from corral.agent.jobdir import JobDir
-    from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment
+    from corral.agent.jobenv import activate_python, elastic_log_dir, fill_env_refs, job_environment
     from corral.agent.prescan import env_mismatch
     from corral.agent.private import UnsafePlace
     from corral.agent.prewarm import PREWARM_FIXED, PREWARM_SENSITIVE, prewarm_program
@@ -208,6 +208,7 @@ class Agent:
             self.job_dir.remove()
             return
         env = job_environment(dict(os.environ), spec.get("env", {}))
+        fill_env_refs(env, spec.get("env_refs") or [])
         old_pp = env.get("PYTHONPATH")
         env["PYTHONPATH"] = hook_dir + (os.pathsep + old_pp if old_pp else "")
         env["CORRAL_LOG_DIR"] = log_dir

@@ -169,6 +169,29 @@ def accelerate_config_mode(path):
     return m.group(1).upper() if m else None
 
 
+def accelerate_default_path():
+    """Where accelerate looks for its default config on this node (``~`` kept for showing)."""
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "accelerate", "default_config.yaml")
+    if os.environ.get("XDG_CACHE_HOME"):
+        return os.path.join(os.environ["XDG_CACHE_HOME"], "huggingface", "accelerate", "default_config.yaml")
+    return "~/.cache/huggingface/accelerate/default_config.yaml"
+
+
+def accelerate_default_config(limit=64 << 10):
+    """``[path, text]`` of this node's accelerate default config, if it has one
+    (the head parses and checks it: accelerate reads it on this node)."""
+    path = accelerate_default_path()
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            data = f.read(limit + 1)
+    except (OSError, ValueError):
+        return None
+    if len(data) > limit:
+        return None
+    return [path, data.decode("utf-8", "replace")]
+
+
 def accelerate_default_mode():
     """``distributed_type`` of this node's accelerate default config, if it has one.
 
@@ -251,6 +274,7 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
     }
     if accelerate:
         result["accelerate_mode"] = accelerate_default_mode()
+        result["accelerate_config"] = accelerate_default_config()
     base = None
     if workdir:
         workdir = os.path.expanduser(workdir)  # `~/proj`: this node's home

@@ -22,13 +22,16 @@ from corral.errors import UsageError
 from corral.hostrange import fold
 from corral.run.console import RunConsole, parse_ranks
 from corral.run.history import default_root, unwritable
+from corral.run.imports import apply_imports
 from corral.run.launchers import PLANNERS, owned_option_hint, refuse_owned_options
 from corral.run.plan import (
     LaunchPlan,
     NodeFacts,
     RunSpec,
     build_plan,
+    ds_config_notes,
     is_secret_name,
+    known_world_size,
     new_run_id,
     parse_env_flags,
 )
@@ -80,6 +83,10 @@ from corral.run.scriptcheck import (
                    "get a notice (with the tree when some ranks are apart). See also `corral stacks`.")
 @click.option("--launcher-arg", "launcher_args", multiple=True, metavar="ARG",
               help="Extra argument for the launcher itself (e.g. --launcher-arg=--mixed_precision=bf16). Repeatable.")
+@click.option("--config-file", default=None, metavar="FILE",
+              help="accelerate's config file (--launcher accelerate; as `accelerate launch --config_file`): "
+                   "read here and checked against the cluster (num_machines, num_processes as a total, "
+                   "main_process_ip/port, gpu_ids, ...), then used by accelerate on every node. See docs/interop.md.")
 @click.option("--fresh-ranks", is_flag=True,
               help="Start every rank as a new Python interpreter, as plain torchrun does. By default "
                    "(torchrun, accelerate) ranks are forked from one that has already imported torch, when "
@@ -107,6 +114,7 @@ def run(
     grace: float | None,
     hang_timeout: float | None,
     launcher_args: tuple[str, ...],
+    config_file: str | None,
     fresh_ranks: bool,
     runs_dir: Path | None,
     sync_first: bool,
@@ -122,6 +130,8 @@ def run(
       corral run examples/train_ddp.py --epochs 3       # this machine
       corral run -c hostfile train.py                   # every host in a DeepSpeed hostfile
       corral run -H gpu1:8,gpu2:8 --launcher accelerate train.py
+      corral run -c hostfile --launcher accelerate --config-file acc.yaml train.py
+      corral run -c hostfile --launcher deepspeed train.py --deepspeed_config ds.json
       corral run --dry-run -c corral.toml train.py      # show each node's command
 
     corral's options go before PROGRAM; everything after it is passed to the
@@ -129,6 +139,13 @@ def run(
     logs go to runs/<run-id>/<host>/rank<N>.log.  The exit code is the
     workload's (130 after Ctrl-C, 124 after --hang-timeout); 3 when a node is
     unreachable, fails its checks before launch or is lost; 2 for bad input.
+
+    Other tools' files are read and checked first (docs/interop.md): with
+    --launcher deepspeed, ~/.deepspeed_env and ./.deepspeed_env (or
+    $DS_ENV_FILE) are applied to every node as DeepSpeed's runner does; an
+    accelerate config (--config-file) is checked against the cluster; a
+    DeepSpeed JSON config the script is given is checked for unknown keys
+    and batch-size arithmetic.
     """
     if program.startswith("-"):
         _refuse_unknown_option(program)
@@ -156,10 +173,19 @@ def run(
     cluster = cluster_opts.load()
     if not module:
         _refuse_missing_script(cluster, launcher, program, tuple(args), workdir, dry_run=dry_run)
+    # other tools' files (.deepspeed_env, an accelerate config), one line each; then a
+    # DeepSpeed config's misspelled key, before connecting (the run says its notes)
+    spec, imported = apply_imports(spec, cluster, config_file=config_file, cwd=os.getcwd(), environ=os.environ,
+                                   home=Path.home())
+    for line in imported:
+        ui.notice(line)
+    ds_notes = ds_config_notes(spec, os.getcwd(), known_world_size(cluster, spec))
     if sync_first:
         script = None if module else script_and_args(launcher, program, tuple(args))[0]
         _sync_project(cluster, program=script, workdir=workdir, dry_run=dry_run)
     if dry_run:
+        for note in ds_notes:
+            ui.notice(note)
         _dry_run(cluster, spec, as_json)
         return
     assert runs_dir is not None
@@ -393,6 +419,8 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
         table = Table(box=None, show_header=False, padding=(0, 1, 0, 4))
         for k in sorted(node.env):
             table.add_row(k, "***" if is_secret_name(k) else escape(node.env[k]))
+        for k, parts in node.env_refs:
+            table.add_row(k, "***" if is_secret_name(k) else escape(_shown_ref(parts)) + "  (filled in on the node)")
         con.print(table)
     ui.notice("dry run: nothing was started")
 
@@ -412,6 +440,11 @@ def _port_unchosen(plan: LaunchPlan) -> LaunchPlan:
     return dataclasses.replace(plan, master_port=0, nodes=nodes)
 
 
+def _shown_ref(parts) -> str:
+    """``/opt/x:${LD_LIBRARY_PATH}``: a value the node fills in from its own variables."""
+    return "".join(text if kind == "lit" else "${%s}" % text for kind, text in parts)
+
+
 def _q(word: str) -> str:
     if word == PORT_UNCHOSEN or word.endswith("=" + PORT_UNCHOSEN) or word.endswith(":" + PORT_UNCHOSEN):
         return word  # a placeholder, not a shell word
@@ -427,7 +460,8 @@ def _plan_json(plan: LaunchPlan, unknown_slots: bool, *, preload: bool) -> dict:
         "nodes": [
             {"host": n.host.name, "node_rank": n.node_rank, "nproc": n.nproc, "first_rank": n.first_rank,
              "cwd": n.cwd, "argv": list(n.argv),
-             "env": {k: ("***" if is_secret_name(k) else v) for k, v in n.env.items()}}
+             "env": {k: ("***" if is_secret_name(k) else v) for k, v in n.env.items()},
+             "env_from_node": {k: ("***" if is_secret_name(k) else _shown_ref(p)) for k, p in n.env_refs}}
             for n in plan.nodes
         ],
     }

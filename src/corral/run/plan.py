@@ -21,6 +21,7 @@ Only named or allow-listed variables travel from the head (``env_from_head``).
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import time
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Mapping
 
 from corral.errors import UsageError
+from corral.interop.dsconfig import check_run
+from corral.interop.dsenv import DsEnv, Part
 from corral.model import Cluster, Host
 from corral.run.launchers import MULTI_PROCESS, PLANNERS, REQUIRES, NodeContext
 from corral.run.scriptcheck import LightningShape, script_lightning_shape
@@ -102,6 +105,12 @@ class RunSpec:
     #: Fork the ranks from an interpreter that has imported torch
     #: (docs/run.md, "Preloaded ranks"); torchrun and accelerate only.
     preload: bool = True
+    #: ``.deepspeed_env`` as DeepSpeed's runner reads it (``--launcher deepspeed``):
+    #: above the head's allow-listed variables, below the cluster file's and --env.
+    ds_env: DsEnv | None = None
+    #: DeepSpeed JSON configs named by another config (an accelerate config's
+    #: ``deepspeed_config_file``), checked with those the arguments name.
+    ds_configs: tuple[str, ...] = ()
     run_id: str = field(default_factory=new_run_id)
 
     def __post_init__(self) -> None:
@@ -128,6 +137,8 @@ class NodeFacts:
     address: str | None = None
     #: distributed_type of the node's accelerate default_config.yaml, if any.
     accelerate_mode: str | None = None
+    #: (path, text) of that file, checked against the cluster (run/imports.py).
+    accelerate_config: tuple[str, str] | None = None
     #: GLOO_SOCKET_IFNAME for a node whose host name resolves to loopback
     #: (unless the job sets one).
     gloo_ifname: str | None = None
@@ -147,6 +158,9 @@ class NodePlan:
     pipe_rank: int | None
     #: Python module the node must import for this launcher (preflight checks it).
     requires: str | None
+    #: Variables whose value names the node's own variables (``.deepspeed_env``'s
+    #: ``LD_LIBRARY_PATH=/opt/x:$LD_LIBRARY_PATH``): the agent fills them in, in order.
+    env_refs: tuple[tuple[str, tuple[Part, ...]], ...] = ()
 
     @property
     def ranks(self) -> range:
@@ -283,6 +297,40 @@ def job_sets(name: str, cluster: Cluster, spec: RunSpec, host: Host, head_env: M
     return name in spec.env or name in cluster.env_for(host) or name in env_from_head(head_env)
 
 
+def ds_config_notes(spec: RunSpec, head_cwd: str, world_size: int | None) -> list[str]:
+    """Every DeepSpeed JSON config the run names, checked before launch
+    (interop/dsconfig.py): raises for a misspelled key or batch arithmetic
+    that cannot hold, returns notes."""
+    more = [(os.path.join(head_cwd, os.path.expanduser(f)), f) for f in spec.ds_configs]
+    return check_run(spec.args, spec.launcher_args, head_cwd, world_size, more=more)
+
+
+def known_world_size(cluster: Cluster, spec: RunSpec) -> int | None:
+    """The job's ranks when known before connecting (-n, or the hosts' slots)."""
+    if spec.launcher not in MULTI_PROCESS:
+        return len(cluster.hosts)
+    if spec.launcher == "lightning":
+        return None  # the script's Trainer decides
+    slots = {h.slots for h in cluster.hosts}
+    nproc = spec.nproc_per_node or (slots.pop() if len(slots) == 1 else None)
+    return None if nproc is None else nproc * len(cluster.hosts)
+
+
+def _apply_ds_env(env: dict[str, str], ds_env: DsEnv | None) -> list[tuple[str, tuple[Part, ...]]]:
+    """``.deepspeed_env`` over the head's allow-listed variables (DeepSpeed's
+    runner, too, exports its file after the head's NCCL_*/PYTHON* ones): literal
+    values into ``env``; those naming the node's variables returned, in order."""
+    refs = []
+    for v in ds_env.values if ds_env else ():
+        value = v.literal
+        if value is None:
+            env.pop(v.name, None)
+            refs.append((v.name, v.parts))
+        else:
+            env[v.name] = value
+    return refs
+
+
 def build_plan(
     cluster: Cluster,
     spec: RunSpec,
@@ -319,6 +367,7 @@ def build_plan(
         cmd = PLANNERS[spec.launcher](ctx)
         env: dict[str, str] = {}
         env.update(travelling)
+        refs = _apply_ds_env(env, spec.ds_env)
         env.update(cluster.env_for(host))
         env.update(spec.env)
         if nf.gloo_ifname and "GLOO_SOCKET_IFNAME" not in env:
@@ -340,10 +389,12 @@ def build_plan(
         env.update(cmd.env)
         for key, value in cmd.env_defaults.items():
             env.setdefault(key, value)
+        node_refs = tuple((k, parts) for k, parts in refs if k not in env)  # unless set above it
         cwd = spec.workdir or cluster.workdir_for(host) or head_cwd
         nodes.append(NodePlan(
             host=host, node_rank=rank, nproc=nproc, first_rank=ctx.first_rank,
             argv=expand_contract(cmd.argv, env), env=env, cwd=cwd, pipe_rank=cmd.pipe_rank, requires=REQUIRES[spec.launcher],
+            env_refs=node_refs,
         ))
     return LaunchPlan(run_id=spec.run_id, launcher=spec.launcher, master_addr=master_addr,
                       master_port=master_port, nodes=tuple(nodes))

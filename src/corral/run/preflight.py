@@ -276,6 +276,15 @@ def gloo_interface(probe: dict, address: str | None) -> str | None:
     return next((a["name"] for a in probe.get("addresses") or [] if a["address"] == address and a.get("name")), None)
 
 
+def _text_pair(value: object) -> tuple[str, str] | None:
+    """A node's ``[path, text]`` (its accelerate default config), if it is one:
+    what a node sends is checked where it enters."""
+    if (isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
+            and len(value[0]) < 4096 and len(value[1]) <= 64 << 10):
+        return value[0], value[1]
+    return None
+
+
 def node_facts(pool: AgentPool, probes: Mapping[str, dict], master: str, *, job_sets_gloo: Callable[[Host], bool],
                warn: Callable[[str], None] | None = None) -> dict[str, NodeFacts]:
     """What the plan needs to know of every node, from preflight and the rendezvous.
@@ -293,7 +302,8 @@ def node_facts(pool: AgentPool, probes: Mapping[str, dict], master: str, *, job_
             fixed.append(f"{s.name}'s host name {probe.get('hostname')!r} resolves to {resolved}: its ranks get "
                          f"GLOO_SOCKET_IFNAME={gloo} (the interface of {address})")
         facts[s.name] = NodeFacts(gpus=probe.get("gpus"), address=address,
-                                  accelerate_mode=probe.get("accelerate_mode"), gloo_ifname=gloo)
+                                  accelerate_mode=probe.get("accelerate_mode"), gloo_ifname=gloo,
+                                  accelerate_config=_text_pair(probe.get("accelerate_config")))
     if fixed:
         (warn or log.warning)(
             "; ".join(fixed) + ", since gloo would tell the other nodes to connect to that address (Debian's "

@@ -50,7 +50,8 @@ from corral.errors import (
 from corral.model import Cluster
 from corral.run.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
 from corral.run.logs import RunLogs
-from corral.run.plan import LaunchPlan, RunSpec, build_plan, job_sets
+from corral.run.imports import node_accelerate_notes
+from corral.run.plan import LaunchPlan, RunSpec, build_plan, ds_config_notes, job_sets
 from corral.run.preflight import choose_master, local_disk_warning, node_facts, preflight
 from corral.run.record import error_record, failure_record, one_line, plan_record
 from corral.run.result import RunResult, diagnose_failure, env_hint
@@ -371,6 +372,8 @@ class Runner:
                                                nnodes=len(plan.nodes), told=self.spec.nproc_per_node is not None)
                 if problem:
                     raise UsageError(problem[0], hint=problem[1])
+                notes += ds_config_notes(self.spec, self.head_cwd, plan.world_size)
+                notes += node_accelerate_notes(self.spec, self.cluster.hosts, facts, plan.nodes[0].nproc)
                 for note in notes:
                     ui.notice(note)
         except BaseException:
@@ -415,6 +418,7 @@ class Runner:
             spec = {
                 "argv": list(node.argv),
                 "env": env,
+                "env_refs": [[name, [list(p) for p in parts]] for name, parts in node.env_refs],
                 "cwd": node.cwd,
                 "pipe_rank": node.pipe_rank,
                 "ranks": [node.first_rank, node.nproc],  # the agent ignores other ranks' files

@@ -34,6 +34,8 @@ _DEEPSPEED_MODES = {"--use_deepspeed", "DEEPSPEED"}
 #: accelerate's DeepSpeed launcher that starts one node's processes (torchrun);
 #: the others (pdsh, its default, openmpi, slurm, nossh...) start every node's.
 PER_NODE_DEEPSPEED = ("--deepspeed_multinode_launcher", "standard")
+#: accelerate's default, said on several nodes so that a config file cannot change it.
+STATIC_RENDEZVOUS = ("--rdzv_backend", "static")
 
 
 def plan(ctx: NodeContext) -> NodeCommand:
@@ -49,6 +51,10 @@ def plan(ctx: NodeContext) -> NodeCommand:
     mode = chosen_mode(ctx)
     if ctx.nnodes > 1 and mode in _DEEPSPEED_MODES:
         argv += PER_NODE_DEEPSPEED
+    if ctx.nnodes > 1:
+        # node ranks are corral's (host order): a config's rdzv_backend c10d
+        # would let the rendezvous give them out in order of arrival
+        argv += STATIC_RENDEZVOUS
     if ctx.world_size > 1:
         # --multi_gpu is accelerate's multi-process mode (it starts the local
         # ranks through torchrun); on CPU-only nodes ACCELERATE_USE_CPU makes
