@@ -1,0 +1,1 @@
+"""Other tools' configuration files: read (imports) and written (exports)."""
