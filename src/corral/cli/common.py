@@ -121,10 +121,12 @@ JSON_SCHEMAS: dict[str, int] = {
     "diagnose": 1,
     "stacks": 1,
     "ssh.setup": 1,
+    "ssh.teardown": 1,
     "ssh.check": 1,
-    "ssh.matrix": 1,
     "sync": 1,
-    "sandbox": 1,
+    "sandbox.status": 1,
+    "sandbox.down": 1,
+    "sandbox.list": 1,
     "export": 1,
 }
 

@@ -16,9 +16,10 @@ does, atomically, for every format alike.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from corral.errors import UsageError
 from corral.model import Cluster

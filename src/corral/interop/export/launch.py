@@ -15,8 +15,8 @@ import json
 import re
 import shlex
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from corral.errors import CorralError, UsageError
 from corral.interop.export import Export, ExportFile, ExportRequest
@@ -88,8 +88,8 @@ def _program(request: ExportRequest) -> list[str]:
 def _placeholder_note(request: ExportRequest) -> tuple[str, ...]:
     if request.has_program:
         return ()
-    return (f"no PROGRAM given: the command lines name {PROGRAM_PLACEHOLDER} "
-            "(`corral export FORMAT [options] SCRIPT ARGS` names yours)",)
+    return ((f"no PROGRAM given: the command lines name {PROGRAM_PLACEHOLDER} "
+             "(`corral export FORMAT [options] SCRIPT ARGS` names yours)"),)
 
 
 def masked(line: str, env: Mapping[str, str]) -> str:
@@ -161,8 +161,8 @@ def deepspeed(request: ExportRequest) -> Export:
     words += prog[1:] if request.spec.module else prog
     command = (f"cd {shlex.quote(str(outdir))} && PDSH_SSH_ARGS_APPEND={shlex.quote(ssh_args_append(outdir))} "
                + " ".join(shlex.quote(w) for w in words))
-    notes = (f"DeepSpeed's runner reads .deepspeed_env from the directory it starts in ({outdir}) and cds the "
-             "nodes into that same path: the script must be there on every node",
+    notes = ((f"DeepSpeed's runner reads .deepspeed_env from the directory it starts in ({outdir}) and cds "
+              "the nodes into that same path: the script must be there on every node"),
              *_placeholder_note(request))
     files = (ExportFile(name="hostfile", text=hostfile_text(plan, "deepspeed")),
              ExportFile(name=".deepspeed_env", text=deepspeed_env_text(env), private=True),
@@ -217,7 +217,7 @@ def check_with_accelerate(name: str, text: str) -> str | None:
         path.write_text(text)
         try:
             load_config_from_file(str(path))
-        except Exception as err:  # accelerate raises ValueError/TypeError/KeyError alike
+        except Exception as err:  # noqa: BLE001 - accelerate raises ValueError/TypeError/KeyError alike
             raise CorralError(f"the installed accelerate refuses the config corral wrote for it ({err})",
                               hint="please report it with `accelerate env`'s output") from None
     import accelerate
@@ -238,8 +238,8 @@ def accelerate(request: ExportRequest) -> Export:
                 str(request.outdir / name), *request.spec.launcher_args, *_program(request)]
         shown.append(masked(_line(node, argv, env), env))
     checked = check_with_accelerate(files[0].name, files[0].text)
-    notes = ["each node reads its own file: copy accelerate-nodeR.yaml to node R (or keep them on a "
-             "shared filesystem)", *_placeholder_note(request)]
+    notes = [("each node reads its own file: copy accelerate-nodeR.yaml to node R (or keep them on a "
+              "shared filesystem)"), *_placeholder_note(request)]
     if checked:
         notes.append(f"checked with the installed accelerate {checked}")
     return Export(format="accelerate", files=tuple(files), commands=tuple(shown), notes=tuple(notes),

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from corral.errors import InventoryError, UsageError
 from corral.hostrange import fold
-from corral.inventory.sshconfig import SSH_G_TIMEOUT_S, ssh_g_argv
 from corral.interop.export import Export, ExportFile, ExportRequest
+from corral.inventory.sshconfig import SSH_G_TIMEOUT_S, ssh_g_argv
 from corral.model import Cluster, Host
 
 SSH_CONFIG = "ssh_config"
