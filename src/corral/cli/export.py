@@ -102,9 +102,12 @@ def _export(fmt: Format, *, cluster_opts: ClusterOptions, output: Path | None, f
                    workdir=workdir, master_port=master_port, launcher_args=launcher_args, preload=False)
     cluster = cluster_opts.load()
     outdir = _outdir(output, one_file=fmt.one_file)
+    single = None
+    if output is not None and fmt.one_file and outdir != output.expanduser().absolute():
+        single = output.expanduser().absolute()
     request = ExportRequest(cluster=cluster, spec=spec, has_program=program is not None,
                             master_port=master_port, cpu=cpu, outdir=outdir, head_env=os.environ,
-                            head_cwd=os.getcwd())
+                            head_cwd=os.getcwd(), single_file=single)
     result = fmt.build(request)
     if output is None:
         _print(result, as_json)

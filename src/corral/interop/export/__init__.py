@@ -65,6 +65,12 @@ class ExportRequest:
     outdir: Path
     head_env: Mapping[str, str]
     head_cwd: str
+    #: A one-file format written to a file named with -o: its path.
+    single_file: Path | None = None
+
+    def path_of(self, name: str) -> Path:
+        """Where the file ``name`` of the export will be (command lines name it)."""
+        return self.single_file or self.outdir / name
 
 
 @dataclass(frozen=True, kw_only=True)

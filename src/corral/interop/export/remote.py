@@ -91,7 +91,9 @@ def host_block(cluster: Cluster, host: Host) -> list[str]:
     first = {}
     for key, value in fields:
         first.setdefault(key, value)
-    lines = [f"Host {host.name}", f"    HostName {_value(first.get('hostname', host.connect_address))}"]
+    # the cluster file's address wins, as corral's transport passes it (-o HostName=)
+    address = host.address or first.get("hostname", host.name)
+    lines = [f"Host {host.name}", f"    HostName {_value(address)}"]
     if first.get("user"):
         lines.append(f"    User {_value(first['user'])}")
     if first.get("port"):
@@ -128,7 +130,7 @@ def ssh_config_file(request: ExportRequest) -> ExportFile:
 
 
 def ssh_config(request: ExportRequest) -> Export:
-    path = request.outdir / SSH_CONFIG
+    path = request.path_of(SSH_CONFIG)
     first = request.cluster.hosts[0].name
     return Export(format="ssh-config", files=(ssh_config_file(request),),
                   commands=(f"ssh -F {shlex.quote(str(path))} {first} true",))
