@@ -232,22 +232,19 @@ def test_ssh_config_and_pdsh_list_reach_the_sandbox_nodes(sandbox, tmp_path: Pat
 
 @pytest.mark.sandbox
 def test_exported_deepspeed_files_run_the_job_under_deepspeeds_own_runner(
-        sandbox, tmp_path: Path, shared_dir: Path, torch_extensions: Path) -> None:
+        sandbox, tmp_path: Path, shared_dir: Path) -> None:
     """`corral export deepspeed`, then plain `deepspeed --hostfile` (pdsh over
     ssh, from this machine): every rank joins and gets .deepspeed_env's MARK."""
     pytest.importorskip("deepspeed")
-    (shared_dir / "tiny.py").write_text(_GLOO_SCRIPT.replace(
-        "import os,", "import deepspeed, os,").replace("dist.init_process_group('gloo')",
-                                                       "deepspeed.init_distributed(dist_backend='gloo')"))
+    (shared_dir / "tiny.py").write_text(_GLOO_SCRIPT)
     cluster = _two_nodes(sandbox, tmp_path)
     res = export("deepspeed", "-c", str(cluster), "-o", str(shared_dir), "--force", "--json", "--cpu",
-                 "--master-port", "29573", "-e", "MARK=ds", "-e", "DS_ACCELERATOR=cpu",
-                 "-e", f"TORCH_EXTENSIONS_DIR={torch_extensions}", "tiny.py", cwd=shared_dir)
+                 "--master-port", "29573", "-e", "MARK=ds", "-e", "DS_ACCELERATOR=cpu", "tiny.py", cwd=shared_dir)
     assert res.returncode == 0, res.stderr
     [command] = json.loads(res.stdout)["commands"]
     ds_bin = str(Path(sys.executable).with_name("deepspeed"))
     command = command.replace(" deepspeed ", f" DS_ACCELERATOR=cpu {shlex.quote(ds_bin)} ", 1)
-    run = subprocess.run(["bash", "-c", command], cwd=shared_dir, capture_output=True, text=True, timeout=400,
+    run = subprocess.run(["bash", "-c", command], cwd=shared_dir, capture_output=True, text=True, timeout=280,
                          check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count("sum=3 mark=ds") == 2, run.stdout[-3000:]
