@@ -358,3 +358,18 @@ def test_json_goes_out_through_one_helper_and_is_documented() -> None:
     doc = (Path(__file__).resolve().parents[1] / "docs" / "json.md").read_text()
     for name, version in JSON_SCHEMAS.items():
         assert re.search(rf"^#+ .*`corral\.{re.escape(name)}/{version}`", doc, re.M), name
+
+
+def test_shell_completion_scripts_for_bash_zsh_and_fish() -> None:
+    """README's completion lines: `_CORRAL_COMPLETE=<shell>_source corral`
+    prints the script, and completing a word lists corral's commands
+    (export's formats too)."""
+    corral = [sys.executable, "-m", "corral"]
+    for shell, marker in (("bash", "complete -o nosort -F _corral_completion corral"),
+                          ("zsh", "#compdef corral"), ("fish", "complete --no-files --command corral")):
+        res = subprocess.run(corral, env=dict(os.environ, _CORRAL_COMPLETE=f"{shell}_source"),
+                             capture_output=True, text=True, timeout=60, check=False)
+        assert res.returncode == 0 and marker in res.stdout, (shell, res.stdout[-500:], res.stderr[-500:])
+    env = dict(os.environ, _CORRAL_COMPLETE="bash_complete", COMP_WORDS="corral export d", COMP_CWORD="2")
+    res = subprocess.run(corral, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert res.stdout.split() == ["plain,deepspeed"], res.stdout
