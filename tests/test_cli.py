@@ -244,7 +244,8 @@ def test_a_short_flag_means_one_thing_in_every_command() -> None:
     from corral.interop.export import FORMATS
 
     assert _short_flags()["-n"] == {"run": "--nproc-per-node", "bench": "--nproc-per-node",
-                                    **{f"export {f}": "--nproc-per-node" for f in FORMATS}}
+                                    **{f"export {n}": "--nproc-per-node" for n, f in FORMATS.items()
+                                       if f.program != "none"}}
     # the old ones are refused with the long name to type, not taken for something else
     for argv, says in ((["sync", "-n"], "say --dry-run"), (["runs", "-n", "3"], "say --limit N")):
         res = CliRunner().invoke(cli, argv)
@@ -317,7 +318,8 @@ _JSON_RUNS: dict[str, list[str]] = {
     "corral sandbox down": ["sandbox", "down", "--json", "--name", "ghost", "--state-dir", "st"],
     "corral sandbox list": ["sandbox", "list", "--json"],
     **{f"corral export {f}": ["export", f, "--json", "-H", "localhost:2", "t.py"]
-       for f in ("accelerate", "deepspeed", "torchrun", "mpi", "pdsh", "ssh-config")},
+       for f in ("accelerate", "deepspeed", "torchrun", "mpi")},
+    **{f"corral export {f}": ["export", f, "--json", "-H", "localhost:2"] for f in ("pdsh", "ssh-config")},
 }
 
 

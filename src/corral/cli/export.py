@@ -47,37 +47,53 @@ def export() -> None:
 
 def _format_command(name: str) -> click.Command:
     fmt = FORMATS[name]
-    needs = "PROGRAM [ARGS]..." if fmt.needs_program else "[PROGRAM [ARGS]...]"
+    job = {"required": "PROGRAM ARGS (required): the job the command lines launch.",
+           "optional": "PROGRAM ARGS (optional): the job the command lines launch (without it they "
+                       "name train.py).",
+           "none": "The hosts only: no PROGRAM."}[fmt.program]
 
-    @click.command(name=name, help=f"{fmt.summary[0].upper()}{fmt.summary[1:]}.\n\n"
-                   f"Usage: corral export {name} [OPTIONS] {needs}",
-                   short_help=fmt.summary,
-                   context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-    @cluster_options
-    @click.option("-o", "--output", type=click.Path(path_type=Path), default=None, metavar="FILE|DIR",
-                  help="Where to write: a directory (created 0700 when the files hold the job's environment), "
-                       "or a file for a one-file format. Default: print to stdout.")
-    @click.option("--force", is_flag=True, help="Replace files that are already there.")
-    @click.option("-n", "--nproc-per-node", type=click.IntRange(min=1), default=None,
-                  help="Processes per node. Default: the hosts' slots.")
-    @click.option("-m", "--module", is_flag=True, help="PROGRAM is a Python module (like python -m).")
-    @click.option("-e", "--env", "env_flags", multiple=True, metavar="K=V|K",
-                  help="Set a variable for the job (K=V), or copy this machine's value (K); as `corral run`.")
-    @click.option("--master-port", type=click.IntRange(1, 65535), default=DEFAULT_PORT, show_default=True,
-                  help="Rendezvous port on the first node.")
-    @click.option("--workdir", default=None, metavar="DIR",
-                  help="Working directory on every node (as `corral run`).")
-    @click.option("--cpu", is_flag=True, help="The nodes have no GPUs: processes train on CPU over gloo.")
-    @click.option("--launcher-arg", "launcher_args", multiple=True, metavar="ARG",
-                  help="Extra argument for the launcher itself. Repeatable.")
-    @click.option("--json", "as_json", is_flag=True,
-                  help="Print what was written (or, without -o, the files' text) as JSON.")
-    @click.argument("program", required=False)
-    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
     def command(**kwargs) -> None:
-        _export(fmt, **kwargs)
+        _export(fmt, **{"program": None, "args": (), "nproc_per_node": None, "module": False, "env_flags": (),
+                        "master_port": DEFAULT_PORT, "workdir": None, "cpu": False, "launcher_args": (),
+                        **kwargs})
 
-    return command
+    # click applies decorators bottom-up: the last listed here is the first option
+    decorators = [
+        click.option("--json", "as_json", is_flag=True,
+                     help="Print what was written (or, without -o, the files' text) as JSON."),
+        click.option("--force", is_flag=True, help="Replace files that are already there."),
+        click.option("-o", "--output", type=click.Path(path_type=Path), default=None, metavar="FILE|DIR",
+                     help="Where to write: a directory (created 0700 when the files hold the job's "
+                          "environment), or a file for a one-file format. Default: print to stdout."),
+        cluster_options,
+    ]
+    if fmt.program != "none":
+        decorators = [
+            click.argument("args", nargs=-1, type=click.UNPROCESSED),
+            click.argument("program", required=False),
+            click.option("--launcher-arg", "launcher_args", multiple=True, metavar="ARG",
+                         help="Extra argument for the launcher itself. Repeatable."),
+            click.option("--cpu", is_flag=True, help="The nodes have no GPUs: processes train on CPU over gloo."),
+            click.option("--workdir", default=None, metavar="DIR",
+                         help="Working directory on every node (as `corral run`)."),
+            click.option("--master-port", type=click.IntRange(1, 65535), default=DEFAULT_PORT,
+                         show_default=True, help="Rendezvous port on the first node."),
+            click.option("-e", "--env", "env_flags", multiple=True, metavar="K=V|K",
+                         help="Set a variable for the job (K=V), or copy this machine's value (K); "
+                              "as `corral run`."),
+            click.option("-m", "--module", is_flag=True, help="PROGRAM is a Python module (like python -m)."),
+            click.option("-n", "--nproc-per-node", type=click.IntRange(min=1), default=None,
+                         help="Processes per node. Default: the hosts' slots."),
+            *decorators,
+        ]
+    for decorate in decorators:
+        command = decorate(command)
+    return click.command(
+        name=name, short_help=fmt.summary,
+        help=f"{fmt.summary[0].upper()}{fmt.summary[1:]}.\n\n{job}\n\nFiles that hold the job's environment "
+             "are written 0600; nothing is overwritten without --force. See docs/interop.md.",
+        context_settings={"ignore_unknown_options": fmt.program != "none",
+                          "allow_interspersed_args": fmt.program == "none"})(command)
 
 
 for _name in FORMATS:  # one subcommand per registered format
@@ -91,7 +107,7 @@ def _export(fmt: Format, *, cluster_opts: ClusterOptions, output: Path | None, f
     if program is not None and program.startswith("-"):
         raise UsageError(f"no such option: {program} (corral's options go before the program)",
                          hint=f"`corral export {fmt.name} --help` lists them")
-    if fmt.needs_program and program is None:
+    if fmt.program == "required" and program is None:
         raise UsageError(f"corral export {fmt.name} needs the job: PROGRAM [ARGS]",
                          hint=f"e.g. corral export {fmt.name} -c hostfile train.py --epochs 3")
     if workdir is not None and not workdir.startswith(("/", "~")):

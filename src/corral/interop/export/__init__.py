@@ -79,8 +79,9 @@ class Format:
     summary: str
     #: ``module:function`` of the builder (imported only when used).
     builder: str
-    #: Whether the format launches a job and so needs PROGRAM.
-    needs_program: bool = False
+    #: The job's PROGRAM: "required", "optional" (command lines name a
+    #: placeholder without it) or "none" (the format is about hosts only).
+    program: str = "optional"
     #: Writes one file: ``-o`` may name the file itself.
     one_file: bool = False
 
@@ -99,16 +100,16 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            summary="one accelerate config per node (accelerate launch --config_file)"),
     Format(name="deepspeed", builder=f"{_LAUNCH}:deepspeed",
            summary="hostfile + .deepspeed_env + ssh_config for `deepspeed --hostfile`"),
-    Format(name="torchrun", builder=f"{_LAUNCH}:torchrun", needs_program=True, one_file=True,
+    Format(name="torchrun", builder=f"{_LAUNCH}:torchrun", program="required", one_file=True,
            summary="one torchrun command line per node"),
-    Format(name="mpi", builder=f"{_LAUNCH}:mpi", needs_program=True,
+    Format(name="mpi", builder=f"{_LAUNCH}:mpi", program="required",
            summary="an OpenMPI hostfile and the mpirun line (one torchrun per node)"),
-    Format(name="pdsh", builder=f"{_REMOTE}:pdsh",
+    Format(name="pdsh", builder=f"{_REMOTE}:pdsh", program="none",
            summary="the folded -w list and PDSH_SSH_ARGS_APPEND (with an ssh_config)"),
-    Format(name="ssh-config", builder=f"{_REMOTE}:ssh_config", one_file=True,
+    Format(name="ssh-config", builder=f"{_REMOTE}:ssh_config", program="none", one_file=True,
            summary="Host blocks for every node: resolved address, user, port, key, ProxyJump"),
     # The Slurm batch script (corral.slurm.sbatch) plugs in here, e.g.:
-    # Format(name="sbatch", builder="corral.interop.export.sbatch:sbatch", needs_program=True,
+    # Format(name="sbatch", builder="corral.interop.export.sbatch:sbatch", program="required",
     #        summary="a Slurm batch script that runs the job with srun"),
 )}
 
