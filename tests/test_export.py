@@ -120,6 +120,15 @@ def test_deepspeed_env_refuses_what_deepspeeds_runner_would_change(tmp_path: Pat
     assert res.returncode == 0 and "NCCL_SOCKET_IFNAME=eth0" in res.stdout and "NCCL_SOCKET_IFNAME=ib0" in res.stdout
 
 
+def test_what_else_deepspeeds_runner_would_send_is_said(tmp_path: Path, isolated_env: Path) -> None:
+    (isolated_env / ".deepspeed_env").write_text("HF_HOME=/data/hf\n")
+    env = dict(os.environ, DS_ENV_FILE="custom.env")
+    res = export("deepspeed", "-H", "a:1,b:1", cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "DS_ENV_FILE=custom.env is set here" in res.stderr
+    assert f"also sends {isolated_env / '.deepspeed_env'}" in res.stderr
+
+
 def test_files_are_never_overwritten_without_force_and_never_half_written(tmp_path: Path) -> None:
     out = tmp_path / "ds"
     out.mkdir()

@@ -140,6 +140,19 @@ def deepspeed_env_text(env: Mapping[str, str]) -> str:
     return "".join(f"{k}={v}\n" for k, v in sorted(env.items()))
 
 
+def _deepspeed_env_notes(head_env: Mapping[str, str]) -> tuple[str, ...]:
+    """What else DeepSpeed's runner would send, that the exported file does not say."""
+    notes = []
+    if head_env.get("DS_ENV_FILE"):
+        notes.append(f"DS_ENV_FILE={head_env['DS_ENV_FILE']} is set here: DeepSpeed's runner reads that "
+                     "instead of .deepspeed_env; unset it before running deepspeed")
+    home = Path(head_env.get("HOME") or Path.home()) / ".deepspeed_env"
+    if home.is_file():
+        notes.append(f"DeepSpeed's runner also sends {home} to every node (corral does not); the exported "
+                     ".deepspeed_env wins for the names it sets")
+    return tuple(notes)
+
+
 def hostfile_text(plan: LaunchPlan, tool: str) -> str:
     return (f"# Written by `corral export {tool}`: host slots=N, in node-rank order\n"
             + "".join(f"{n.host.name} slots={n.nproc}\n" for n in plan.nodes))
@@ -163,7 +176,7 @@ def deepspeed(request: ExportRequest) -> Export:
                + " ".join(shlex.quote(w) for w in words))
     notes = ((f"DeepSpeed's runner reads .deepspeed_env from the directory it starts in ({outdir}) and cds "
               "the nodes into that same path: the script must be there on every node"),
-             *_placeholder_note(request))
+             *_deepspeed_env_notes(request.head_env), *_placeholder_note(request))
     files = (ExportFile(name="hostfile", text=hostfile_text(plan, "deepspeed")),
              ExportFile(name=".deepspeed_env", text=deepspeed_env_text(env), private=True),
              ssh_config_file(request))
