@@ -162,6 +162,22 @@ def test_accelerate_configs_load_in_accelerate_and_say_each_nodes_rank(tmp_path:
         assert (config.main_process_ip, config.main_process_port) == ("gpu1", 29555)
 
 
+def test_mpirun_line_starts_one_torchrun_per_node_with_the_jobs_environment(tmp_path: Path) -> None:
+    res = export("mpi", "-H", "a:2,b:2", "-o", str(tmp_path / "m"), "-e", "MARK=a b", "train.py", "--x", "1",
+                 cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    script = tmp_path / "m" / "mpirun.sh"
+    assert oct(script.stat().st_mode & 0o777) == "0o600"
+    [line] = [ln for ln in script.read_text().splitlines() if ln.startswith("mpirun ")]
+    words = shlex.split(line)
+    assert words[words.index("-np") + 1] == "2" and words[words.index("--map-by") + 1] == "ppr:1:node"
+    sent = [words[i + 1] for i, w in enumerate(words) if w == "-x"]
+    assert "MARK=a b" in sent and not [w for w in sent if w.startswith(("CORRAL_", "MASTER_", "NODE_RANK"))]
+    tail = words[words.index("torch.distributed.run") + 1:]
+    assert tail[:3] == ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d"]
+    assert "--rdzv-endpoint=a:29500" in tail and tail[-3:] == ["train.py", "--x", "1"]
+
+
 def test_slots_unknown_is_named_not_guessed(tmp_path: Path) -> None:
     res = export("torchrun", "-H", "gpu1,gpu2", "train.py", cwd=tmp_path)
     assert res.returncode == 2 and "gpu1 has no slots" in res.stderr and "--nproc-per-node" in res.stderr

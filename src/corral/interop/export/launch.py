@@ -218,21 +218,22 @@ def accelerate_config(plan: LaunchPlan, node: NodePlan, *, cpu: bool) -> dict[st
     }
 
 
-def check_with_accelerate(name: str, text: str) -> str | None:
-    """Load the config with the installed accelerate's own reader (None when
-    accelerate is not installed here); its refusal is corral's bug, said so."""
+def check_with_accelerate(files: list[ExportFile]) -> str | None:
+    """Load every config with the installed accelerate's own reader (None
+    when accelerate is not installed here); its refusal is corral's bug, said so."""
     if importlib.util.find_spec("accelerate") is None:
         return None
     from accelerate.commands.config.config_args import load_config_from_file
 
     with tempfile.TemporaryDirectory(prefix="corral-export-") as tmp:
-        path = Path(tmp) / name
-        path.write_text(text)
-        try:
-            load_config_from_file(str(path))
-        except Exception as err:  # noqa: BLE001 - accelerate raises ValueError/TypeError/KeyError alike
-            raise CorralError(f"the installed accelerate refuses the config corral wrote for it ({err})",
-                              hint="please report it with `accelerate env`'s output") from None
+        for f in files:
+            path = Path(tmp) / f.name
+            path.write_text(f.text)
+            try:
+                load_config_from_file(str(path))
+            except Exception as err:  # noqa: BLE001 - accelerate raises ValueError/TypeError/KeyError alike
+                raise CorralError(f"the installed accelerate refuses the config corral wrote for it, {f.name} "
+                                  f"({err})", hint="please report it with `accelerate env`'s output") from None
     import accelerate
 
     return accelerate.__version__
@@ -250,7 +251,7 @@ def accelerate(request: ExportRequest) -> Export:
         argv = [node.host.python, "-m", "accelerate.commands.launch", "--config_file",
                 str(request.outdir / name), *request.spec.launcher_args, *_program(request)]
         shown.append(masked(_line(node, argv, env), env))
-    checked = check_with_accelerate(files[0].name, files[0].text)
+    checked = check_with_accelerate(files)
     notes = [("each node reads its own file: copy accelerate-nodeR.yaml to node R (or keep them on a "
               "shared filesystem)"), *_placeholder_note(request)]
     if checked:
