@@ -241,7 +241,11 @@ def test_a_short_flag_means_one_thing_in_every_command() -> None:
     # -n was --nproc-per-node in run and bench, --dry-run in sync, --limit in runs.
     for short, meanings in _short_flags().items():
         assert len(set(meanings.values())) == 1, (short, meanings)
-    assert _short_flags()["-n"] == {"run": "--nproc-per-node", "bench": "--nproc-per-node"}
+    from corral.interop.export import FORMATS
+
+    assert _short_flags()["-n"] == {"run": "--nproc-per-node", "bench": "--nproc-per-node",
+                                    **{f"export {n}": "--nproc-per-node" for n, f in FORMATS.items()
+                                       if f.program != "none"}}
     # the old ones are refused with the long name to type, not taken for something else
     for argv, says in ((["sync", "-n"], "say --dry-run"), (["runs", "-n", "3"], "say --limit N")):
         res = CliRunner().invoke(cli, argv)
@@ -288,3 +292,88 @@ def test_a_notice_quoting_a_node_reaches_the_terminal_without_its_controls(monke
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     ui.notice("error: gpu2: \x1b]0;owned\x07\x1b]52;c;cHduZWQ=\x1b\\\x1b[31mlink down\x1b[0m")
     assert shown.getvalue() == "corral: error: gpu2: \x1b[31mlink down\x1b[0m\n"
+
+
+# ---------------------------------------------------------------------------
+# Versioned --json documents (docs/json.md)
+
+#: One cheap invocation per command with --json (run in an empty directory
+#: holding t.py and log.txt, on this machine).  A new --json command must be
+#: added here: the test below fails until it is.
+_JSON_RUNS: dict[str, list[str]] = {
+    "corral hosts": ["hosts", "--json"],
+    "corral run": ["run", "--json", "--launcher", "command", "true"],
+    "corral exec": ["exec", "--json", "--", "true"],
+    "corral runs": ["runs", "--json"],
+    "corral doctor": ["doctor", "--json", "--no-smoke", "--no-torch", "--no-ssh", "--no-links"],
+    "corral bench": ["bench", "--json", "--no-links", "--no-allreduce"],  # an error document
+    "corral diagnose": ["diagnose", "--json", "log.txt"],
+    "corral stacks": ["stacks", "--json"],  # no running run: an error document
+    "corral ssh setup": ["ssh", "setup", "--json"],  # this machine: an error document
+    "corral ssh check": ["ssh", "check", "--json"],
+    "corral ssh teardown": ["ssh", "teardown", "--json"],
+    "corral sync": ["sync", "--json", "--dry-run"],
+    "corral sandbox up": ["sandbox", "up", "--json", "0"],  # an error document
+    "corral sandbox status": ["sandbox", "status", "--json", "--name", "ghost", "--state-dir", "st"],
+    "corral sandbox down": ["sandbox", "down", "--json", "--name", "ghost", "--state-dir", "st"],
+    "corral sandbox list": ["sandbox", "list", "--json"],
+    "corral check": ["check", "--json", "job.sbatch"],
+    **{f"corral export {f}": ["export", f, "--json", "-H", "localhost:2", "t.py"]
+       for f in ("accelerate", "deepspeed", "torchrun", "mpi")},
+    **{f"corral export {f}": ["export", f, "--json", "-H", "localhost:2"] for f in ("pdsh", "ssh-config")},
+}
+
+
+def test_every_json_document_carries_its_schema_version(tmp_path: Path, monkeypatch) -> None:
+    """`--json` output is an interface: each document says which one it is
+    (`corral.hosts/1`), so a script can check what it reads.  Every command
+    with --json is run and its document checked, errors included."""
+    from corral.cli.common import JSON_SCHEMAS
+
+    with_json = {path for path, params in surface().items() if "--json" in params}
+    assert with_json == set(_JSON_RUNS), "add the new --json command to _JSON_RUNS"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("print(1)\n")
+    (tmp_path / "log.txt").write_text("RuntimeError: NCCL error: unhandled system error\n")
+    (tmp_path / "job.sbatch").write_text("#!/bin/bash\n#SBATCH --nodes=2\nsrun python t.py\n")
+    known = {f"corral.{name}/{version}" for name, version in JSON_SCHEMAS.items()}
+    seen = set()
+    for path, argv in _JSON_RUNS.items():
+        res = CliRunner().invoke(cli, argv)
+        doc = json.loads(res.stdout)
+        assert isinstance(doc, dict) and doc.get("schema") in known, (path, res.stdout[:300])
+        assert (doc["schema"] == "corral.error/1") == (res.exit_code == 2), (path, res.output[-500:])
+        seen.add(doc["schema"])
+    assert {"corral.hosts/1", "corral.run/1", "corral.exec/1", "corral.export/1", "corral.error/1"} <= seen
+    res = CliRunner().invoke(cli, ["run", "--dry-run", "--json", "t.py"])
+    assert json.loads(res.stdout)["schema"] == "corral.run.plan/1"
+
+
+def test_json_goes_out_through_one_helper_and_is_documented() -> None:
+    """No command prints JSON of its own (it would lack the schema field), and
+    docs/json.md has a section for every document."""
+    import re
+
+    from corral.cli.common import JSON_SCHEMAS
+
+    cli_dir = Path(__file__).resolve().parents[1] / "src" / "corral" / "cli"
+    own = [p.name for p in cli_dir.glob("*.py") if p.name != "common.py" and "json.dumps" in p.read_text()]
+    assert own == [], f"print --json documents with common.emit_json: {own}"
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "json.md").read_text()
+    for name, version in JSON_SCHEMAS.items():
+        assert re.search(rf"^#+ .*`corral\.{re.escape(name)}/{version}`", doc, re.M), name
+
+
+def test_shell_completion_scripts_for_bash_zsh_and_fish() -> None:
+    """README's completion lines: `_CORRAL_COMPLETE=<shell>_source corral`
+    prints the script, and completing a word lists corral's commands
+    (export's formats too)."""
+    corral = [sys.executable, "-m", "corral"]
+    for shell, marker in (("bash", "complete -o nosort -F _corral_completion corral"),
+                          ("zsh", "#compdef corral"), ("fish", "complete --no-files --command corral")):
+        res = subprocess.run(corral, env=dict(os.environ, _CORRAL_COMPLETE=f"{shell}_source"),
+                             capture_output=True, text=True, timeout=60, check=False)
+        assert res.returncode == 0 and marker in res.stdout, (shell, res.stdout[-500:], res.stderr[-500:])
+    env = dict(os.environ, _CORRAL_COMPLETE="bash_complete", COMP_WORDS="corral export d", COMP_CWORD="2")
+    res = subprocess.run(corral, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert res.stdout.split() == ["plain,deepspeed"], res.stdout

@@ -36,7 +36,7 @@ def test_local_exec_and_exit_code(tmp_path: Path) -> None:
     res = subprocess.run(CORRAL + ["exec", "--json", "--", "echo hi; exit 3"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 3
-    [row] = json.loads(res.stdout)
+    [row] = json.loads(res.stdout)["hosts"]
     assert row["stdout"] == "hi\n" and row["returncode"] == 3
 
 
@@ -84,7 +84,7 @@ def test_unreachable_node_is_named_and_others_answer(sandbox, tmp_path: Path) ->
     res = subprocess.run(CORRAL + ["exec", "-c", str(cluster), "--json", "--", "hostname"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 3  # corral's "unreachable", not ssh's 255
-    rows = {r["host"]: r for r in json.loads(res.stdout)}
+    rows = {r["host"]: r for r in json.loads(res.stdout)["hosts"]}
     assert rows["ghost"]["returncode"] == 255 and all(rows[n]["returncode"] == 0 for n in sandbox.nodes)
     assert all(rows[n]["stdout"].strip() == n for n in sandbox.nodes)
     assert "unreachable" in rows["ghost"]["error"] or "refused" in rows["ghost"]["error"]
@@ -199,7 +199,7 @@ def test_command_sees_none_of_the_wrappers_variables(tmp_path: Path) -> None:
     # Like `ssh host CMD`: no positional arguments, no wrapper state, stdin empty.
     res = subprocess.run(CORRAL + ["exec", "--json", "--", 'echo "[$#][$1][$s][$c][$w]"; cat; exit 7'],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
-    [row] = json.loads(res.stdout)
+    [row] = json.loads(res.stdout)["hosts"]
     assert (row["returncode"], row["stdout"]) == (7, "[0][][][][]\n")
 
 
@@ -209,7 +209,7 @@ def test_command_runs_in_the_login_shell_like_under_ssh(tmp_path: Path) -> None:
     env = dict(os.environ, SHELL="/bin/bash")
     res = subprocess.run(CORRAL + ["exec", "--json", "--", "echo {1..3}; [[ -d / ]] && source /dev/null && echo ok"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False, env=env)
-    [row] = json.loads(res.stdout)
+    [row] = json.loads(res.stdout)["hosts"]
     assert (row["returncode"], row["stdout"]) == (0, "1 2 3\nok\n")
 
 
@@ -219,7 +219,7 @@ def test_command_runs_like_under_ssh_with_sigint_not_ignored(tmp_path: Path) -> 
     # never raises KeyboardInterrupt, `kill -INT` of its children does nothing).
     res = subprocess.run(CORRAL + ["exec", "--json", "--", "grep SigIgn /proc/self/status"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
-    [row] = json.loads(res.stdout)
+    [row] = json.loads(res.stdout)["hosts"]
     ignored = int(row["stdout"].split()[1], 16)
     assert row["returncode"] == 0 and not ignored & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGQUIT - 1))
 
@@ -234,7 +234,7 @@ def test_timeout_stops_a_command_that_obeys_sigterm_at_once(tmp_path: Path) -> N
                                    f"trap 'echo bye > {marker}; exit 3' TERM; sleep 48 & wait"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     elapsed = time.monotonic() - started
-    [row] = json.loads(res.stdout)
+    [row] = json.loads(res.stdout)["hosts"]
     assert res.returncode == 124 and "did not finish within 1s" in row["error"]
     assert marker.read_text() == "bye\n"  # its TERM trap ran
     assert "Terminated" not in row["stderr"]
@@ -345,7 +345,7 @@ def test_json_keeps_a_nodes_text_escaped(tmp_path: Path) -> None:
     res = subprocess.run(CORRAL + ["exec", "--json", "--", HOSTILE], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60, check=False)
     assert "\x1b" not in res.stdout  # JSON escapes it: \u001b
-    [row] = json.loads(res.stdout)
+    [row] = json.loads(res.stdout)["hosts"]
     assert row["stdout"].startswith("\x1b]52;c;cHduZWQ=\x07") and row["stderr"].startswith("\x1b]0;err-title")
 
 
@@ -390,7 +390,7 @@ def test_the_cut_is_said_in_folded_json_and_live_output(tmp_path: Path) -> None:
         assert res.returncode == 0, res.stderr[-2000:]
         return res
 
-    [row] = json.loads(run("--json").stdout)
+    [row] = json.loads(run("--json").stdout)["hosts"]
     assert (row["stdout_cut"], row["stderr_cut"]) == (3 * mib + 5 - MAX_OUTPUT, 2 * mib - MAX_OUTPUT)
     assert row["stdout"] == "a" * MAX_OUTPUT + cut_marker(3 * mib + 5 - MAX_OUTPUT) + "\n"
     assert row["stderr"] == "z" * MAX_OUTPUT + cut_marker(2 * mib - MAX_OUTPUT) + "\n"

@@ -715,7 +715,7 @@ def test_a_bashrc_that_execs_another_shell_is_named_at_once(sandbox, workdir: Pa
         started = time.monotonic()
         res = subprocess.run(CORRAL + ["exec", "-c", str(sandbox.cluster_file), "--json", "--", "echo hi"],
                              capture_output=True, text=True, timeout=60)
-        rows = {r["host"]: r for r in json.loads(res.stdout)}
+        rows = {r["host"]: r for r in json.loads(res.stdout)["hosts"]}
         assert "a start-up file starts another shell" in rows[victim]["error"], rows[victim]
         assert all(rows[n]["stdout"] == "hi\n" for n in sandbox.nodes if n != victim)
         write(workdir / "ok.py", "print('ok')\n")

@@ -611,7 +611,7 @@ def test_max_restarts_reruns_the_job(tmp_path: Path) -> None:
     # the success does not hide the failure it recovered from
     assert "succeeded" in res.stderr and "after 1 restart(s) (attempt 1: rank 1 on " in res.stderr
     listed = subprocess.run(CORRAL + ["runs", "--json"], cwd=tmp_path, capture_output=True, text=True, check=True)
-    [record] = json.loads(listed.stdout)
+    [record] = json.loads(listed.stdout)["runs"]
     assert record["status"] == "succeeded" and record["attempts"] == 2
     assert record["restarts"][0]["attempt"] == 1 and "rank 1 on " in record["restarts"][0]["failure"]
 

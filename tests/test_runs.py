@@ -70,11 +70,11 @@ def test_head_killed_with_sigkill_shows_as_died(tmp_path: Path) -> None:
                 break
             assert time.monotonic() < deadline
         listed = subprocess.run(CORRAL + ["runs", "--json"], cwd=tmp_path, capture_output=True, text=True, check=False)
-        assert [r["status"] for r in json.loads(listed.stdout)] == ["running"]
+        assert [r["status"] for r in json.loads(listed.stdout)["runs"]] == ["running"]
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         listed = subprocess.run(CORRAL + ["runs", "--json"], cwd=tmp_path, capture_output=True, text=True, check=False)
-        assert [r["status"] for r in json.loads(listed.stdout)] == ["died"]
+        assert [r["status"] for r in json.loads(listed.stdout)["runs"]] == ["died"]
         shown = subprocess.run(CORRAL + ["runs"], cwd=tmp_path, capture_output=True, text=True, check=False)
         assert "died" in shown.stdout
     finally:
@@ -181,7 +181,7 @@ def test_run_where_runs_cannot_be_written_uses_the_per_user_directory(tmp_path: 
     assert (fallback / run_id / "run.json").is_file() and not (proj / "runs").exists()
     # `corral runs` there looks where the run wrote
     listed = _in_read_only(proj, CORRAL + ["runs", "--json"], env)
-    assert [r["run_id"] for r in json.loads(listed.stdout)] == [run_id], listed.stderr
+    assert [r["run_id"] for r in json.loads(listed.stdout)["runs"]] == [run_id], listed.stderr
     # a --runs-dir that cannot be written is bad input, named before anything starts
     res = _in_read_only(proj, CORRAL + ["run", "--json", "--runs-dir", str(proj / "out"), "--launcher",
                                         "command", sys.executable, "hello.py"], env)

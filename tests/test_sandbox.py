@@ -427,7 +427,7 @@ def test_cli_status_json(sandbox: Sandbox) -> None:
     assert cluster.names == sandbox.nodes and cluster.path == str(sandbox.cluster_file)
     listed = subprocess.run([sys.executable, "-m", "corral", "sandbox", "list", "--json"],
                             capture_output=True, text=True, timeout=60, check=False)
-    assert sandbox.name in [row["name"] for row in json.loads(listed.stdout)]
+    assert sandbox.name in [row["name"] for row in json.loads(listed.stdout)["sandboxes"]]
 
 
 # ---------------------------------------------------------------------------
@@ -789,7 +789,7 @@ def test_a_sandbox_started_for_a_user_is_usable_by_that_user(tmp_path: Path) -> 
         assert str(sb.state_dir).startswith("/var/lib/corral/sandbox/")
         listed = _as_user(user, "sandbox", "list", "--json", home=home)
         assert listed.returncode == 0, listed.stderr
-        row = next(r for r in json.loads(listed.stdout) if r["name"] == tag)
+        row = next(r for r in json.loads(listed.stdout)["sandboxes"] if r["name"] == tag)
         assert row["nodes"] == 2 and row["up"] is True, row
         status = _as_user(user, "sandbox", "status", "--name", tag, "--json", home=home)
         assert status.returncode == 0, status.stderr

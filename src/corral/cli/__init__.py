@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "diagnose": ("corral.cli.diagnose", "diagnose", "Explain a failed run's log: likely cause and fix."),
     "stacks": ("corral.cli.stacks", "stacks", "Dump the Python stack of every rank of a running job."),
     "runs": ("corral.cli.runs", "runs", "List past runs and where their logs are."),
+    "export": ("corral.cli.export", "export",
+               "Write the cluster as accelerate, DeepSpeed, torchrun, mpirun, pdsh or ssh files."),
     "sandbox": ("corral.cli.sandbox", "sandbox", "A simulated multi-node cluster on this machine."),
 }
 
@@ -144,7 +146,7 @@ def _note_json_flag(command: click.Command) -> None:
 
 
 def _report_json(err: CorralError) -> None:
-    import json
+    from corral.cli.common import emit_json
 
     out: dict = {"message": err.message, "hint": err.hint, "category": err.category, "exit_code": err.exit_code}
     problems = getattr(err, "problems", None)
@@ -153,7 +155,7 @@ def _report_json(err: CorralError) -> None:
     host = getattr(err, "host", None)
     if host:
         out["host"] = host
-    click.echo(json.dumps({"error": out}, indent=2))
+    emit_json("error", {"error": out})
 
 
 def _report(err: CorralError) -> None:

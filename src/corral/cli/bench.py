@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 
@@ -12,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from corral import ui
-from corral.cli.common import ClusterOptions, cluster_options
+from corral.cli.common import ClusterOptions, cluster_options, emit_json
 from corral.doctor.bench import (
     DEFAULT_MAX_GLOO,
     DEFAULT_MAX_NCCL,
@@ -104,7 +103,7 @@ def bench(cluster_opts: ClusterOptions, links: bool, allreduce: bool, tool: str,
             iters=iters or (20 if nccl else 5), timeout=timeout, head_env=os.environ, head_cwd=os.getcwd()))
     failed = _failed(lb, ar)
     if as_json:
-        click.echo(json.dumps(_json(lb, ar, ev), indent=2, default=str))
+        emit_json("bench", _json(lb, ar, ev), default=str)
         if failed:  # the JSON says what failed; say that it did where a person looks
             for f in (lb.findings if lb else ()):
                 if f.severity == ERROR:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
 import click
 
 from corral import ui
+from corral.cli.common import emit_json
 from corral.errors import CorralError, UsageError
 
 #: Exit status when the script has an error (a warning alone exits 0).
@@ -58,9 +58,8 @@ def check(script: Path, training: Path | None, as_json: bool) -> None:
     errors = report.errors
     warnings = len(report.findings) - errors
     if as_json:
-        click.echo(json.dumps({"path": report.path, "errors": errors, "warnings": warnings,
-                               "read": list(report.read), "findings": [asdict(f) for f in report.findings]},
-                              indent=2))
+        emit_json("check", {"path": report.path, "errors": errors, "warnings": warnings,
+                            "read": list(report.read), "findings": [asdict(f) for f in report.findings]})
     else:
         con = ui.console()
         for f in report.findings:

@@ -104,3 +104,48 @@ def retired_short(flag: str, *, now: str, why: str) -> Callable[[F], F]:
 
     return click.option(flag, "retired_" + flag.strip("-"), hidden=True, default=None, expose_value=False,
                         is_flag=False, flag_value="", callback=refuse, metavar="", help="(retired)")
+
+
+#: The version of every ``--json`` document (docs/json.md describes each):
+#: a document's ``schema`` field is ``corral.<name>/<version>``.  Raise the
+#: version when a field is removed or changes meaning; adding one does not.
+JSON_SCHEMAS: dict[str, int] = {
+    "error": 1,
+    "hosts": 1,
+    "run": 1,
+    "run.plan": 1,
+    "exec": 1,
+    "runs": 1,
+    "doctor": 1,
+    "bench": 1,
+    "diagnose": 1,
+    "stacks": 1,
+    "ssh.setup": 1,
+    "ssh.teardown": 1,
+    "ssh.check": 1,
+    "sync": 1,
+    "sandbox.status": 1,
+    "sandbox.down": 1,
+    "sandbox.list": 1,
+    "export": 1,
+    "check": 1,
+}
+
+
+def schema_id(document: str) -> str:
+    """``corral.hosts/1``: what a ``--json`` document's ``schema`` field says."""
+    return f"corral.{document}/{JSON_SCHEMAS[document]}"
+
+
+def json_document(document: str, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with its ``schema`` first."""
+    return {"schema": schema_id(document), **data}
+
+
+def emit_json(document: str, data: dict[str, Any], **dumps: Any) -> None:
+    """Print one ``--json`` document on stdout: every one goes through here,
+    so none can leave out its ``schema`` (a test checks there is no other
+    ``json.dumps`` to stdout in the CLI)."""
+    import json
+
+    click.echo(json.dumps(json_document(document, data), indent=2, **dumps))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import click
 from rich.markup import escape
 
 from corral import ui
+from corral.cli.common import emit_json
 from corral.diagnose import (
     Diagnosis,
     RunReport,
@@ -99,7 +99,7 @@ def diagnose(target: str | None, as_json: bool, show_all: bool, facts_file: str 
         path = resolve_target(target, root) if target is not None else _latest_unsuccessful(root)
         report = diagnose_run(path, facts=facts, rules=rules)
     if as_json:
-        click.echo(json.dumps(_as_json(report), indent=2))
+        emit_json("diagnose", _as_json(report))
     else:
         _print_report(report, show_all=show_all)
     if not report.found:

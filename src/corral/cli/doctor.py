@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from corral import ui
-from corral.cli.common import ClusterOptions, cluster_options, load_from_options
+from corral.cli.common import ClusterOptions, cluster_options, emit_json, load_from_options
 from corral.doctor.checks import ERROR, FAMILIES, OK, WARNING, Finding
 from corral.doctor.examine import DoctorOptions, DoctorReport, examine
 from corral.doctor.fixenv import FixResult, write_env
@@ -87,7 +86,7 @@ def doctor(cluster_opts: ClusterOptions, fix_env: bool, smoke: bool, ssh: bool, 
         data["fix_env"] = None if fixed is None else {
             "path": str(fixed.path), "created": fixed.created, "layout": fixed.layout,
             "changes": list(fixed.changes)}
-        click.echo(json.dumps(data, indent=2, default=str))
+        emit_json("doctor", data, default=str)
     else:
         render(report, quiet=quiet, fixed=fixed)
     sys.exit(exit_code(report))

@@ -64,16 +64,16 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
         interrupted = True
     code = EXIT_INTERRUPTED if interrupted else max((_exit_code(r) for r in results), default=0)
     if as_json:
-        import json
+        from corral.cli.common import emit_json
 
         # The node's text as it sent it: JSON escapes every control character
         # (ESC is \u001b), so printing this reaches no terminal as a control.
-        click.echo(json.dumps([
+        emit_json("exec", {"hosts": [
             {"host": r.host, "returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr,
              "stdout_cut": r.stdout_cut, "stderr_cut": r.stderr_cut,
              "error": r.error.message if r.error else None, "hint": r.error.hint if r.error else None}
             for r in results
-        ], indent=2))
+        ]})
         sys.exit(code)
     # Plain writes, not rich: importing it would add to every exec's wall time.
     # What a node said (output, an error quoting ssh or the node) is shown

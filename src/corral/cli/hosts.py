@@ -7,7 +7,6 @@ port or a missing ``slots=`` is seen before a job starts.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -16,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from corral import ui
-from corral.cli.common import ClusterOptions, cluster_options
+from corral.cli.common import ClusterOptions, cluster_options, emit_json
 from corral.model import Cluster, Host
 
 
@@ -50,7 +49,7 @@ def hosts(cluster_opts: ClusterOptions, resolve: bool, as_json: bool, trust_file
         _trust(cluster_opts)
     cluster = cluster_opts.load(resolve=resolve, notice=False)
     if as_json:
-        click.echo(json.dumps(cluster_to_json(cluster), indent=2))
+        emit_json("hosts", cluster_to_json(cluster))
         return
     con = ui.console()
     con.print(_table(cluster))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import re
 import shlex
@@ -16,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from corral import ui
-from corral.cli.common import ClusterOptions, cluster_options
+from corral.cli.common import ClusterOptions, cluster_options, emit_json
 from corral.diagnose.stacks import fold_ranks
 from corral.errors import UsageError
 from corral.hostrange import fold
@@ -390,8 +389,7 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
         plan = _port_unchosen(plan)
     unknown_slots = spec.nproc_per_node is None and any(h.slots is None for h in cluster.hosts)
     if as_json:
-        click.echo(json.dumps(_plan_json(plan, unknown_slots, preload=spec.preload and spec.launcher in PREWARMED),
-                              indent=2))
+        emit_json("run.plan", _plan_json(plan, unknown_slots, preload=spec.preload and spec.launcher in PREWARMED))
         return
     con = ui.console()
     con.print(f"[bold]dry run[/] {spec.run_id}: {spec.launcher}, {len(plan.nodes)} node(s), "
@@ -469,7 +467,7 @@ def _plan_json(plan: LaunchPlan, unknown_slots: bool, *, preload: bool) -> dict:
 
 def _summary(result: RunResult, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps(_result_json(result), indent=2))
+        emit_json("run", _result_json(result))
     con = ui.err_console()
     where = f"logs: {result.run_dir}" if result.run_dir else ""
     plan = result.plan

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from corral import ui
-from corral.cli.common import retired_short
+from corral.cli.common import emit_json, retired_short
 from corral.run.history import default_root, list_runs
 
 
@@ -30,8 +29,8 @@ def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
     root = runs_dir or default_root(Path.cwd()).path
     records = list_runs(root)[:limit]
     if as_json:
-        click.echo(json.dumps([{"run_id": r.run_id, "dir": str(r.dir), **r.data, "status": r.status}
-                               for r in records], indent=2))
+        emit_json("runs", {"runs": [{"run_id": r.run_id, "dir": str(r.dir), **r.data, "status": r.status}
+                                    for r in records]})
         return
     if not records:
         ui.notice(f"no runs in {root}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Callable
 
@@ -97,7 +96,7 @@ def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | 
                    password=password, extra_nic=extra_nic or None, slots=slots, subnet=subnet,
                    share=share or None, for_user=for_user)
     if as_json:
-        _print_json(status.to_dict())
+        _print_json("sandbox.status", status.to_dict())
     else:
         _render(status, next_steps=True)
 
@@ -110,7 +109,7 @@ def down(name: str, state_dir: str | None, as_json: bool) -> None:
     lines and state directory.  Idempotent."""
     removed = _sandbox(name, state_dir).down()
     if as_json:
-        _print_json(removed)
+        _print_json("sandbox.down", removed)
         return
     if not (removed["namespaces"] or removed["links"] or removed["hosts_block"] or removed["state_dir"]):
         console().print(f"sandbox {name}: nothing to remove")
@@ -128,7 +127,7 @@ def status(name: str, state_dir: str | None, as_json: bool) -> None:
     """Show the nodes (running / stopped, link up / partitioned, rate) and the files."""
     st = _sandbox(name, state_dir).status()
     if as_json:
-        _print_json(st.to_dict())
+        _print_json("sandbox.status", st.to_dict())
     else:
         _render(st, next_steps=False)
 
@@ -166,7 +165,7 @@ def list_(as_json: bool) -> None:
         rows.append({"name": name, "state_dir": st.state_dir if st.exists else None,
                      "nodes": len(st.nodes), "up": st.up})
     if as_json:
-        _print_json(rows)
+        _print_json("sandbox.list", {"sandboxes": rows})
         return
     if not rows:
         console().print("no sandboxes on this machine")
@@ -221,8 +220,10 @@ def slow(node: str, rate: str, name: str, state_dir: str | None) -> None:
 # rendering
 
 
-def _print_json(data: object) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True))
+def _print_json(document: str, data: dict) -> None:
+    from corral.cli.common import emit_json
+
+    emit_json(document, data, sort_keys=True)
 
 
 def _render(st: SandboxStatus, *, next_steps: bool) -> None:

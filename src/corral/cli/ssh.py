@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import getpass
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from corral import ui
-from corral.cli.common import ClusterOptions, cluster_options
+from corral.cli.common import ClusterOptions, cluster_options, emit_json
 from corral.errors import EXIT_INFRA, UsageError
 from corral.hostrange import fold
 from corral.model import Host
@@ -302,7 +301,7 @@ def check(
         check_mesh(cluster, _options(cluster, cluster_id, identity, accept_new), asker)
     )
     if as_json:
-        click.echo(json.dumps(matrix.to_json(), indent=2))
+        emit_json("ssh.check", matrix.to_json())
     else:
         render_matrix(matrix)
     if not matrix.ok:
@@ -315,7 +314,7 @@ def check(
 
 def _finish(report: SetupReport, as_json: bool, *, verb: str) -> None:
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        emit_json(f"ssh.{verb}", report.to_json())
     else:
         render_report(report, verb=verb)
     if report.matrix is not None and not report.matrix.ok:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 from rich.markup import escape
 
 from corral import ui
+from corral.cli.common import emit_json
 from corral.diagnose.stacks import (
     fold_keys,
     never_met_note,
@@ -46,7 +46,7 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
         raise CorralError(f"run {run_id}: {answer['error']}")
     dumps = {parse_key(k): v for k, v in answer.get("stacks", {}).items()}
     if as_json:
-        click.echo(json.dumps({"run_id": run_id, "stacks": answer.get("stacks", {})}, indent=2))
+        emit_json("stacks", {"run_id": run_id, "stacks": answer.get("stacks", {})})
         return
     unanswered = {int(r): h for r, h in (answer.get("unanswered") or {}).items()}
     lines, odd = stack_report(dumps, int(answer.get("world_size") or len(dumps)), unanswered=unanswered)

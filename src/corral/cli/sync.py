@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
 from collections.abc import Coroutine
@@ -23,7 +22,7 @@ from rich.progress import (
 )
 
 from corral import ui
-from corral.cli.common import ClusterOptions, cluster_options, retired_short
+from corral.cli.common import ClusterOptions, cluster_options, emit_json, retired_short
 from corral.errors import UsageError
 from corral.hostrange import fold
 from corral.model import Cluster
@@ -114,7 +113,7 @@ def sync_cluster(
             else f"sync (dry run): {would} {copied} file(s) in total"
         )
     elif as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        emit_json("sync", report.to_json())
     else:
         render(report, dry_run=options.dry_run, verbose=verbose)
     return report
