@@ -570,7 +570,7 @@ def _node_side_sources() -> dict[str, str]:
     pkg = resources.files("corral")
     files = [f"agent/{f}" for f in {**NODE_MODULES, **PRELOAD_MODULES}.values()]
     files += ["agent/hook/sitecustomize.py", "sshsetup/nodeside.py", "sync/nodetree.py",
-              "workloads/smoke_allreduce.py", "workloads/allreduce_perf.py"]
+              "doctor/workloads/smoke_allreduce.py", "doctor/workloads/allreduce_perf.py"]
     return {f: pkg.joinpath(f).read_text() for f in files}
 
 
