@@ -48,6 +48,7 @@ from corral.errors import (
     UsageError,
 )
 from corral.model import Cluster
+from corral.run.flightrec import FlightDumps, flight_report, request_dumps, save_report
 from corral.run.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
 from corral.run.logs import RunLogs
 from corral.run.plan import LaunchPlan, RunSpec, build_plan, job_sets
@@ -97,6 +98,9 @@ class RunOptions:
     #: world size is known only once every node's GPUs are counted, so a rank
     #: that does not exist is refused here, before anything starts.
     shown_ranks: frozenset[int] | None = None
+    #: Turn PyTorch's collective flight recorder on in every rank; its dumps
+    #: are gathered into the run directory on a hang or failure (``--no-flight-recorder``).
+    flight_recorder: bool = True
 
 
 class RunView(Sink, Protocol):
@@ -182,6 +186,9 @@ class Runner:
         #: SIGINT, so their KeyboardInterrupt handlers run; SIGTERM/SIGHUP as SIGTERM.
         self.interrupt_signal: int | None = None
         self.hang_stacks: tuple[str, ...] = ()
+        #: Flight recorder dumps the nodes sent, and what they say (lines).
+        self.flight = FlightDumps()
+        self.flight_lines: tuple[str, ...] = ()
         self._wake: asyncio.Event | None = None
         self.started = time.time()
 
@@ -208,6 +215,9 @@ class Runner:
     # -- events ------------------------------------------------------------
 
     def _on_event(self, session: AgentSession, ev: dict) -> None:
+        if ev.get("ev") == "flightrec":
+            self.flight.take(session.name, ev)
+            return
         notice = node_notice(session.name, ev, interrupted=bool(self.interrupts))
         if notice:
             self.view.message(notice)
@@ -275,8 +285,19 @@ class Runner:
         lines = snap.lines + ([snap.note] if snap.note else [])
         for line in lines:
             self.view.message(line)
+        report = await flight_report(pool, self.flight, self.logs.dir, watch.plan.world_size)
+        fr_lines = report.lines({key_rank(k): t for k, t in snap.dumps.items() if isinstance(k, int)}) if report else []
+        for line in fr_lines:
+            self.view.message(line)
         self.hang_stacks = tuple(lines)
-        if snap.odd:
+        self.flight_lines = tuple(fr_lines)
+        if report is not None and report.culprits and not snap.odd:
+            rank = report.culprits[0]
+            node = watch.plan.node_of_rank(rank)
+            watch.hang(node.host.name if node else watch.plan.nodes[0].host.name, rank,
+                       f"no progress for {silent:.0f}s; {fold_ranks(set(report.culprits))} out of step in the "
+                       f"flight recorder (stacks: {snap.path})")
+        elif snap.odd:
             rank = min(key_rank(k) for k in snap.odd)
             node = watch.plan.node_of_rank(rank)
             watch.hang(node.host.name if node else watch.plan.nodes[0].host.name, rank,
@@ -408,6 +429,7 @@ class Runner:
 
     async def _start(self, pool: AgentPool, plan: LaunchPlan, number: int) -> None:
         hook = hook_source()
+        self.flight.clear()  # dumps of this attempt only
 
         async def one(node) -> None:
             # which run of the job this is: a script resumes from its checkpoint after a restart
@@ -422,6 +444,7 @@ class Runner:
                 "tag": f"{plan.run_id}-{number}",
                 "keep_tmp": self.options.keep_node_tmp,
                 "preload": self.spec.preload and self.spec.launcher in PREWARMED,
+                "flight_recorder": self.options.flight_recorder,
             }
             session = pool[node.host.name]
             session.ranks = node.ranks  # a frame for any other rank is a protocol error
@@ -481,6 +504,8 @@ class Runner:
                 else:
                     reason = cause.describe()
                     self.view.message(f"{reason}: stopping every node")
+                    if self.options.flight_recorder and cause.kind != "hang":
+                        await request_dumps(pool)  # the live ranks' collectives, before the teardown ends them
                 self.view.stopping()
                 watch.stopping = True
                 stopping_since = now
@@ -535,6 +560,8 @@ class Runner:
         left_early: tuple[tuple[str, int], ...] = ()
         hints: tuple[str, ...] = ()
         if failure is not None and failure.kind != "hang":  # a hang's story is its stacks
+            report = save_report(self.flight, self.logs.dir, plan.world_size)
+            self.flight_lines = tuple(report.lines()) if report is not None and report.culprits else ()
             left_early = tuple(watch.left_early(failure))
             hints = tuple(h for h in (env_hint(self.head_env, plan, failure, watch.tail_for(failure)),) if h)
             tail = tuple(watch.tail_for(failure))
@@ -545,7 +572,7 @@ class Runner:
             run_id=plan.run_id, status=status, exit_code=code, run_dir=self.logs.dir, plan=plan,
             failure=failure, failure_tail=tail, failure_log=failure_log, diagnoses=diagnoses,
             left_early=left_early, hints=hints, restarts=tuple(r["failure"] for r in self.restarts),
-            attempts=attempts, duration_s=duration, stacks=self.hang_stacks,
+            attempts=attempts, duration_s=duration, stacks=self.hang_stacks, flightrec=self.flight_lines,
             caught=tuple((h, r, exc, str(self.logs.path_for(h, r)))
                          for (h, r), exc in sorted(watch.tracebacks.items(), key=lambda kv: kv[0][1]))
             if status == "succeeded" else (),
