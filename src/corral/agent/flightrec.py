@@ -18,8 +18,6 @@ import os
 import stat
 import time
 
-#: Entries each process group keeps (torch's documented value for debugging hangs).
-BUFFER_ENTRIES = 2000
 #: Largest dump sent to the head (bytes of the file); a larger JSON dump is
 #: cut to its newest entries (the head reads frames of up to 4 MiB).
 MAX_SEND = 2 * 1024 * 1024
@@ -28,21 +26,11 @@ FORMATS = {".cpu.json": "json", ".nccl.json": "json", ".nccl.pkl": "pickle"}
 
 
 def job_env(fr_dir: str, env: dict) -> dict:
-    """The variables that turn the flight recorder on, for both names torch
-    has used: torch <= 2.6 reads ``TORCH_NCCL_*`` (NCCL only); later torch
-    reads ``TORCH_FR_*`` first and falls back to the ``TORCH_NCCL_*`` names,
-    and records gloo too.  A value the job sets itself wins."""
-    prefix = os.path.join(fr_dir, "torch_trace_rank_")
-    want = {
-        "TORCH_FR_BUFFER_SIZE": str(BUFFER_ENTRIES),
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(BUFFER_ENTRIES),
-        # torch's own dump when NCCL's watchdog times out, into the same directory.
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
-        "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "CORRAL_FR_DIR": fr_dir,
-    }
-    return {k: v for k, v in want.items() if not env.get(k)}
+    """What turns the flight recorder on: ``CORRAL_FR_DIR`` for the rank hook,
+    which sets torch's own variables in the rank itself, under the names the
+    rank's torch reads (``hook/sitecustomize.py``, ``_corral_fr_env``): only
+    the rank's Python knows which torch it imports."""
+    return {} if env.get("CORRAL_FR_DIR") else {"CORRAL_FR_DIR": fr_dir}
 
 
 def request(fr_dir: str, ranks, timeout: float = 3.0) -> dict:

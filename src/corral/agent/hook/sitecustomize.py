@@ -136,11 +136,58 @@ def _corral_write(path, data):
     os.replace(tmp, path)
 
 
+#: Entries each process group keeps (torch's documented value for debugging hangs).
+_CORRAL_FR_ENTRIES = "2000"
+
+
+def _corral_torch_version():
+    """(major, minor) of the torch this process would import, read from its
+    ``version.py`` without importing it; None when there is none."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+        m = re.search(r"__version__\s*=\s*['\"](\d+)\.(\d+)", f.read(4096))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _corral_fr_env(fr_dir):
+    """torch's flight recorder variables, set in this process before torch
+    reads them, under the names its torch knows: torch 2.10 and later read
+    ``TORCH_FR_BUFFER_SIZE``/``TORCH_FR_DUMP_TEMP_FILE`` and warn on the older
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE``/``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``; older
+    torch reads only those (NCCL only before 2.8), so both are set there.
+    ``TORCH_NCCL_DUMP_ON_TIMEOUT`` has one name.  A value the job set under
+    either name wins (``TORCH_NCCL_TRACE_BUFFER_SIZE=0`` keeps it off)."""
+    try:
+        version = _corral_torch_version()
+    except Exception:
+        version = None
+    prefix = os.path.join(fr_dir, "torch_trace_rank_")
+    names = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+             "TORCH_FR_BUFFER_SIZE": _CORRAL_FR_ENTRIES, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    if version is None or version < (2, 10):
+        names.update(TORCH_NCCL_TRACE_BUFFER_SIZE=_CORRAL_FR_ENTRIES, TORCH_NCCL_DEBUG_INFO_TEMP_FILE=prefix)
+    pairs = (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+             ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+    for pair in pairs:
+        if any(os.environ.get(n) for n in pair):
+            for n in pair:
+                names.pop(n, None)
+    for name, value in names.items():
+        if not os.environ.get(name):
+            os.environ[name] = value
+
+
 def _corral_flightrec(rank):
     """Dump on request (a write to ``rank<N>.fifo``) and at exit."""
     fr_dir = os.environ.get("CORRAL_FR_DIR", "")
     if not fr_dir or not os.path.isdir(fr_dir):
         return
+    _corral_fr_env(fr_dir)
     import atexit
     import threading
 
