@@ -253,10 +253,14 @@ class Runner:
         silent: list[str] = []
         dumps = await collect_stacks(self.attempt.pool, unanswered=silent)
         plan = self.attempt.plan
+        report = None
+        if self.options.flight_recorder and self.logs is not None:
+            report = await flight_report(self.attempt.pool, self.flight, self.logs.dir, plan.world_size)
         return {"run_id": self.spec.run_id, "world_size": plan.world_size,
                 "master_addr": plan.master_addr, "master_port": plan.master_port,
                 "unanswered": {str(r): h for r, h in ranks_of(plan, silent).items()},
-                "stacks": {stack_key_text(k): v for k, v in dumps.items()}}
+                "stacks": {stack_key_text(k): v for k, v in dumps.items()},
+                "flightrec": report.lines() if report is not None else []}
 
     async def _quiet(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
         """No output for a while and no --hang-timeout: a hang or a quiet
