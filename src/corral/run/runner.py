@@ -51,6 +51,7 @@ from corral.model import Cluster
 from corral.run.flightrec import FlightDumps, flight_report, request_dumps, save_report
 from corral.run.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
 from corral.run.logs import RunLogs
+from corral.run.nodehealth import health_lines
 from corral.run.plan import LaunchPlan, RunSpec, build_plan, job_sets
 from corral.run.preflight import choose_master, local_disk_warning, node_facts, preflight
 from corral.run.record import error_record, failure_record, one_line, plan_record
@@ -189,6 +190,8 @@ class Runner:
         #: Flight recorder dumps the nodes sent, and what they say (lines).
         self.flight = FlightDumps()
         self.flight_lines: tuple[str, ...] = ()
+        #: What the GPU nodes' kernels, GPUs and NCCL said at a failure.
+        self.health: tuple[str, ...] = ()
         self._wake: asyncio.Event | None = None
         self.started = time.time()
 
@@ -294,7 +297,9 @@ class Runner:
         for line in fr_lines:
             self.view.message(line)
         self.hang_stacks = tuple(lines)
-        self.flight_lines = tuple(fr_lines)
+        self.flight_lines = tuple(fr_lines) + tuple(await health_lines(pool, self.started))
+        for line in self.flight_lines[len(fr_lines):]:
+            self.view.message(line)
         if report is not None and report.culprits and not snap.odd:
             rank = report.culprits[0]
             node = watch.plan.node_of_rank(rank)
@@ -508,8 +513,11 @@ class Runner:
                 else:
                     reason = cause.describe()
                     self.view.message(f"{reason}: stopping every node")
-                    if self.options.flight_recorder and cause.kind != "hang":
-                        await request_dumps(pool)  # the live ranks' collectives, before the teardown ends them
+                    if cause.kind != "hang":  # (a hang's were read already)
+                        # the live ranks' collectives and the GPUs' state, before the teardown ends them
+                        if self.options.flight_recorder:
+                            await request_dumps(pool)
+                        self.health = tuple(await health_lines(pool, self.started))
                 self.view.stopping()
                 watch.stopping = True
                 stopping_since = now
@@ -565,7 +573,7 @@ class Runner:
         hints: tuple[str, ...] = ()
         if failure is not None and failure.kind != "hang":  # a hang's story is its stacks
             report = save_report(self.flight, self.logs.dir, plan.world_size)
-            self.flight_lines = tuple(report.lines()) if report is not None and report.culprits else ()
+            self.flight_lines = (tuple(report.lines()) if report is not None and report.culprits else ()) + self.health
             left_early = tuple(watch.left_early(failure))
             hints = tuple(h for h in (env_hint(self.head_env, plan, failure, watch.tail_for(failure)),) if h)
             tail = tuple(watch.tail_for(failure))
