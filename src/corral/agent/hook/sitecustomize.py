@@ -207,7 +207,11 @@ def _corral_flightrec(rank):
 
     threading.Thread(target=serve, name="corral-flightrec", daemon=True).start()
 
+    me = os.getpid()
+
     def at_exit():
+        if os.getpid() != me:
+            return  # a forked child exiting: the dump is the rank's, not its copy's
         try:
             _corral_fr_dump(base)
         except Exception:
