@@ -76,7 +76,8 @@ from corral.run.scriptcheck import (
                    "corral, for a last checkpoint; torchrun waits 30]")
 @click.option("--hang-timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
               help="If no rank writes anything for this long, dump every rank's Python stack "
-                   "(merged into one tree) and stop the job. Without it, 2 minutes of silence only "
+                   "(merged into one tree) and flight recorder (the collective where they disagree), "
+                   "and stop the job. Without it, 2 minutes of silence only "
                    "get a notice (with the tree when some ranks are apart). See also `corral stacks`.")
 @click.option("--no-flight-recorder", "no_flight_recorder", is_flag=True,
               help="Leave PyTorch's collective flight recorder off. By default every rank records its last "

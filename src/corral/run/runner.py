@@ -48,8 +48,8 @@ from corral.errors import (
     UsageError,
 )
 from corral.model import Cluster
-from corral.run.flightrec import FlightDumps, flight_report, request_dumps, save_report
 from corral.run.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
+from corral.run.flightrec import FlightDumps, flight_report, request_dumps, save_report
 from corral.run.logs import RunLogs
 from corral.run.nodehealth import health_lines
 from corral.run.plan import LaunchPlan, RunSpec, build_plan, job_sets
@@ -292,7 +292,8 @@ class Runner:
         lines = snap.lines + ([snap.note] if snap.note else [])
         for line in lines:
             self.view.message(line)
-        report = await flight_report(pool, self.flight, self.logs.dir, watch.plan.world_size)
+        report = (await flight_report(pool, self.flight, self.logs.dir, watch.plan.world_size)
+                  if self.options.flight_recorder else None)
         fr_lines = report.lines({key_rank(k): t for k, t in snap.dumps.items() if isinstance(k, int)}) if report else []
         for line in fr_lines:
             self.view.message(line)
@@ -438,7 +439,8 @@ class Runner:
 
     async def _start(self, pool: AgentPool, plan: LaunchPlan, number: int) -> None:
         hook = hook_source()
-        self.flight.clear()  # dumps of this attempt only
+        self.flight.clear()  # dumps and health of this attempt only
+        self.flight_lines = self.health = ()
 
         async def one(node) -> None:
             # which run of the job this is: a script resumes from its checkpoint after a restart
