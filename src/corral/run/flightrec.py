@@ -5,7 +5,8 @@ when asked (a hang, ``corral stacks``, a failure before teardown), and as a
 failed job's ranks exit.  ``FlightDumps`` keeps the newest of each, writes
 them to ``runs/<id>/flightrec/`` with ``index.json`` (rank, host, pid of
 each), and has ``corral.diagnose.flightrec`` explain them.  The run loop
-calls ``flight_report`` at the hang or failure; nothing else of it is here.
+calls ``at_hang`` / ``at_failure`` (which add the GPU nodes' health) and
+``save_report``; nothing else of it is there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from corral.agent.session import AgentPool
 from corral.diagnose.flightrec import DUMP_DIR, INDEX, MAX_DUMP, FlightReport, read_dir
+from corral.run.nodehealth import health_lines
 
 #: The only file names a dump may have (the rank hook's); anything else from a node is dropped.
 _NAME = re.compile(r"rank(\d{1,7})\.(cpu|nccl)\.(json|pkl)")
@@ -118,3 +120,21 @@ def save_report(dumps: FlightDumps, run_dir: Path, world_size: int) -> FlightRep
         return None
     report = read_dir(run_dir, world_size)
     return None if report is None or report.empty and not report.unreadable else report
+
+
+async def at_hang(pool: AgentPool, dumps: FlightDumps, run_dir: Path, world_size: int, *, enabled: bool,
+                  stacks: Mapping[int, str], since: float) -> tuple[FlightReport | None, list[str]]:
+    """A hang: the flight recorder's report (None when off or empty) and the
+    lines to show, the GPU nodes' health after it (``run/nodehealth.py``)."""
+    report = await flight_report(pool, dumps, run_dir, world_size) if enabled else None
+    lines = report.lines(stacks) if report is not None else []
+    return report, lines + await health_lines(pool, since)
+
+
+async def at_failure(pool: AgentPool, *, enabled: bool, since: float) -> tuple[str, ...]:
+    """A failure, before the teardown: the live ranks' dumps are asked for
+    (read by ``save_report`` once the job has ended) and the GPU nodes'
+    health is read; its lines."""
+    if enabled:
+        await request_dumps(pool)
+    return tuple(await health_lines(pool, since))

@@ -49,9 +49,8 @@ from corral.errors import (
 )
 from corral.model import Cluster
 from corral.run.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
-from corral.run.flightrec import FlightDumps, flight_report, request_dumps, save_report
+from corral.run.flightrec import FlightDumps, at_failure, at_hang, flight_report, save_report
 from corral.run.logs import RunLogs
-from corral.run.nodehealth import health_lines
 from corral.run.plan import LaunchPlan, RunSpec, build_plan, job_sets
 from corral.run.preflight import choose_master, local_disk_warning, node_facts, preflight
 from corral.run.record import error_record, failure_record, one_line, plan_record
@@ -292,15 +291,12 @@ class Runner:
         lines = snap.lines + ([snap.note] if snap.note else [])
         for line in lines:
             self.view.message(line)
-        report = (await flight_report(pool, self.flight, self.logs.dir, watch.plan.world_size)
-                  if self.options.flight_recorder else None)
-        fr_lines = report.lines({key_rank(k): t for k, t in snap.dumps.items() if isinstance(k, int)}) if report else []
-        for line in fr_lines:
+        report, more = await at_hang(pool, self.flight, self.logs.dir, watch.plan.world_size,
+                                     enabled=self.options.flight_recorder, since=self.started,
+                                     stacks={k: t for k, t in snap.dumps.items() if isinstance(k, int)})
+        for line in more:
             self.view.message(line)
-        self.hang_stacks = tuple(lines)
-        self.flight_lines = tuple(fr_lines) + tuple(await health_lines(pool, self.started))
-        for line in self.flight_lines[len(fr_lines):]:
-            self.view.message(line)
+        self.hang_stacks, self.flight_lines = tuple(lines), tuple(more)
         if report is not None and report.culprits and not snap.odd:
             rank = report.culprits[0]
             node = watch.plan.node_of_rank(rank)
@@ -515,11 +511,8 @@ class Runner:
                 else:
                     reason = cause.describe()
                     self.view.message(f"{reason}: stopping every node")
-                    if cause.kind != "hang":  # (a hang's were read already)
-                        # the live ranks' collectives and the GPUs' state, before the teardown ends them
-                        if self.options.flight_recorder:
-                            await request_dumps(pool)
-                        self.health = tuple(await health_lines(pool, self.started))
+                    if cause.kind != "hang":  # the collectives and GPUs, before the teardown (a hang's: read)
+                        self.health = await at_failure(pool, enabled=self.options.flight_recorder, since=self.started)
                 self.view.stopping()
                 watch.stopping = True
                 stopping_since = now
