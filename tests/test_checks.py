@@ -637,3 +637,26 @@ def test_a_login_shell_that_prints_is_named() -> None:
     assert "~/.config/fish/config.fish inside `if status is-interactive`" in found.hint and "bashrc" not in found.hint
     data["facts"]["node3"]["shell"] = "/bin/tcsh"
     assert "if ($?prompt) then" in one(evidence(data), "connectivity.login", WARNING).hint
+
+
+def test_gpu_health_before_launch_names_the_node_to_drain_and_the_gpu_to_reset() -> None:
+    health_dir = Path(__file__).parent / "fixtures" / "gpuhealth"
+    data = recorded()
+    facts = data["facts"]
+    facts["node1"]["gpu_health"] = {
+        "gpu": True, "xid": {"lines": (health_dir / "dmesg.txt").read_text().splitlines(), "error": None},
+        "smi": {"text": (health_dir / "smi_q_a100.txt").read_text(), "error": None}, "ras": {"text": ""}}
+    facts["node2"]["gpu_health"] = {
+        "gpu": True, "xid": {"lines": [], "error": "journalctl -k: No journal files were opened due to insufficient "
+                                                  "permissions.; dmesg: read kernel buffer failed: Operation not permitted"},
+        "smi": {"text": "", "error": None}, "ras": {"text": ""}}
+    facts["node3"]["gpu_health"] = {"gpu": True, "xid": {"lines": [], "error": None},
+                                    "smi": {"text": "", "error": None}, "ras": {"text": ""}}
+    ev = evidence(data)
+    errors = findings(ev, "gpus.health", ERROR)
+    assert [f.hosts for f in errors] == [HostSet.of(["node1"])] * 2  # the Xid 79 and the 154 that asks for a reboot
+    assert "Xid 79 on PCI:0000:20:1c" in errors[0].message
+    warnings = [f.message for f in findings(ev, "gpus.health", WARNING)]
+    assert any("Xid 63" in m for m in warnings) and any("pending" in m for m in warnings)
+    assert any("kernel log not read" in m and "Operation not permitted" in m for m in warnings)
+    assert one(ev, "gpus.health", OK).hosts == HostSet.of(["node3"])  # node4: no GPU health (no nvidia-smi)

@@ -1437,3 +1437,24 @@ def test_slurm_symptoms_offer_corral_check_on_the_batch_script(name):
     names its line."""
     top = diagnose_path(FIXTURES / name)[0]
     assert any("`corral check job.sbatch`" in step for step in top.fix), top.fix
+
+
+def test_a_hung_runs_flight_recorder_dumps_name_the_rank_and_the_collective(tmp_path):
+    # A run ended by --hang-timeout, with the dumps and stacks file corral saved
+    # (recorded: tests/fixtures/flightrec/README.md); rank 3 went on to the barrier.
+    recorded = Path(__file__).parent / "fixtures" / "flightrec" / "skip"
+    run = tmp_path / "runs" / "20261127-192416-8379b8"
+    shutil.copytree(recorded, run / "flightrec")
+    shutil.move(run / "flightrec" / "stacks.txt", run / "stacks-192454.txt")
+    (run / "vm").mkdir()
+    (run / "vm" / "rank0.log").write_text("step 0\nstep 10\nstep 20\nstep 30\nstep 40\n")
+    (run / "run.json").write_text(json.dumps({
+        "run_id": run.name, "status": "failed", "exit_code": 124, "world_size": 4,
+        "failure": {"host": "vm", "rank": 3, "kind": "hang", "exit_code": 124,
+                    "reason": "no progress for 25s; rank 3 elsewhere than the others (stacks: stacks-192454.txt)"}}))
+    report = diagnose_run(run)
+    assert report.flightrec is not None and report.flightrec.culprits == (3,) and report.found
+    res = _invoke(str(run))
+    assert "Flight recorder: group 0 diverges at collective #45: ranks 0-2 entered all_reduce [1000] Float" in res.output
+    assert "rank 3 (vm, pid 17422) entered #45 as barrier" in res.output and "skip.py:22" in res.output
+    assert json.loads(_invoke(str(run), "--json").output)["flightrec"]["culprits"] == [3]

@@ -213,6 +213,10 @@ def test_corral_stacks_on_a_running_job(tmp_path: Path) -> None:
         assert answer and "load_batch" in answer["0"] and "all_reduce" in answer["1"], answer
         res = subprocess.run(CORRAL + ["stacks"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert "rank 0" in res.stdout and "load_batch" in res.stdout
+        # the flight recorder too: rank 1 waits in collective #2, which rank 0 never entered
+        assert "rank 0 (" in res.stdout and "never entered #2 all_reduce (its last: #1 all_reduce)" in res.stdout, (
+            res.stdout)
+        assert next((tmp_path / "runs").iterdir()).joinpath("flightrec", "index.json").is_file()
     finally:
         proc.terminate()
         proc.wait(timeout=30)

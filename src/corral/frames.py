@@ -147,6 +147,10 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
     "fatal": {"t": (_text(MAX_TEXT), True), "kind": (_text(64), False)},
     "killed": {"n": (_int, True), "names": (_names, False), "grace": (_num, False)},
     "leftover": {"n": (_int, True), "names": (_names, False)},
+    # A rank's flight recorder dump (``agent/flightrec.py``): parsed on the head
+    # as untrusted data (``diagnose/flightrec.py``), never unpickled freely.
+    "flightrec": {"r": (_rank, True), "pid": (_opt_int, False), "name": (_text(MAX_NAME), True),
+                  "fmt": (_one_of("json", "pickle"), True), "data": (_text(MAX_FRAME), True)},
 }
 
 

@@ -15,6 +15,7 @@ from importlib import resources
 #: Node-side modules, in dependency order: wire name -> file in corral/agent.
 NODE_MODULES = {
     "corral_agent_probes": "probes.py",
+    "corral_agent_health": "health.py",
     "corral_agent_facts": "facts.py",
     "corral_agent_links": "links.py",
     "corral_agent_proctree": "proctree.py",
@@ -23,6 +24,7 @@ NODE_MODULES = {
     "corral_agent_jobenv": "jobenv.py",
     "corral_agent_private": "private.py",
     "corral_agent_jobdir": "jobdir.py",
+    "corral_agent_flightrec": "flightrec.py",
     "corral_agent_prewarm": "prewarm.py",
     "corral_agent_node": "node.py",
 }

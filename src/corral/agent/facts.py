@@ -27,8 +27,10 @@ import sys
 import time
 
 try:  # on a node, modules are installed under their wire names
+    from corral_agent_health import health as gpu_health
     from corral_agent_probes import hostname_addresses
 except ImportError:  # imported as part of the corral package (tests, head)
+    from corral.agent.health import health as gpu_health
     from corral.agent.probes import hostname_addresses
 
 #: Distributions reported under ``packages`` (name in the facts -> dist names tried).
@@ -115,6 +117,8 @@ def collect(workdir=None, peers=(), torch=True, torch_timeout=90.0, tmpdir=None)
     _merge_torch(facts["packages"], facts["torch_import"])
     facts.update(_nvidia(facts["tools"]["nvidia-smi"], errors))
     facts["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # Xids since boot, ECC, retired pages / remapped rows, NCCL RAS (GPU nodes only)
+    facts["gpu_health"] = _quiet(gpu_health, errors, "gpu health") if facts["tools"]["nvidia-smi"] else None
     facts["interfaces"] = _interfaces(facts["tools"]["ip"], errors)
     facts["infiniband"] = _infiniband(errors)
     facts["shm_bytes"] = _fs_size("/dev/shm", errors)

@@ -35,7 +35,8 @@ class JobDir:
         self.note = None
 
     def make(self, spec: dict) -> str:
-        """The job's directory, with its ``logs`` and ``hook``.
+        """The job's directory, with its ``logs``, ``hook`` and (flight recorder
+        on) ``flightrec`` for the ranks' dumps.
 
         ``corral-<uid>`` is removed too when the last job in it ends and
         nothing else is in it (another job's directory, the head's control
@@ -67,7 +68,7 @@ class JobDir:
         else:
             self.path = tmp
             private_dir(tmp)
-        for sub in ("logs", "hook"):
+        for sub in ("logs", "hook") + (("flightrec",) if spec.get("flight_recorder") else ()):
             private_dir(os.path.join(tmp, sub), tmp)
         return tmp
 

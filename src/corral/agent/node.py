@@ -35,6 +35,9 @@ import threading
 import time
 
 try:  # on a node, modules are installed under their wire names
+    from corral_agent_flightrec import job_env as flightrec_env
+    from corral_agent_flightrec import request as flightrec_request
+    from corral_agent_flightrec import send_dumps as flightrec_send
     from corral_agent_jobdir import JobDir
     from corral_agent_jobenv import activate_python, elastic_log_dir, fill_env_refs, job_environment
     from corral_agent_prescan import env_mismatch
@@ -49,6 +52,9 @@ try:  # on a node, modules are installed under their wire names
     )
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
+    from corral.agent.flightrec import job_env as flightrec_env
+    from corral.agent.flightrec import request as flightrec_request
+    from corral.agent.flightrec import send_dumps as flightrec_send
     from corral.agent.jobdir import JobDir
     from corral.agent.jobenv import activate_python, elastic_log_dir, fill_env_refs, job_environment
     from corral.agent.prescan import env_mismatch
@@ -138,6 +144,8 @@ class Agent:
         #: Why the prewarmed launcher was not used for preloaded ranks (said once).
         self.fresh_note = None
         self.job_dir = JobDir()
+        #: The job's flight recorder dumps (None: off, ``--no-flight-recorder``).
+        self.fr_dir = None
         self.stopping = False
         #: When a stop's grace ends (monotonic): what is still running then is
         #: killed.  The main loop checks it, so a second stop (the head's
@@ -212,6 +220,9 @@ class Agent:
         old_pp = env.get("PYTHONPATH")
         env["PYTHONPATH"] = hook_dir + (os.pathsep + old_pp if old_pp else "")
         env["CORRAL_LOG_DIR"] = log_dir
+        self.fr_dir = os.path.join(tmp, "flightrec") if spec.get("flight_recorder") else None
+        if self.fr_dir:
+            env.update(flightrec_env(self.fr_dir, env))
         activate_python(env)
         spec = dict(spec, argv=elastic_log_dir(list(spec["argv"]), env, os.path.join(tmp, "elastic")))
         self.proc = self.take_prewarmed(spec, env, hook_dir)
@@ -385,6 +396,9 @@ class Agent:
         rc = self.proc.returncode
         if rc != 0:
             self.say_if_tmp_full()
+            if self.fr_dir and self.tailer is not None:
+                # What the ranks wrote as they exited, before their directory goes.
+                flightrec_send(self.chan, self.fr_dir, dict(self.tailer.pids))
         self.chan.send(ev="exit", code=rc if rc >= 0 else None, sig=-rc if rc < 0 else None)
         self.proc = None
         self.job_dir.remove()
@@ -508,6 +522,19 @@ def stacks(sig: int, timeout: float = 3.0) -> dict:
         except OSError:
             pass
     return out
+
+
+def flightrec(wait: float = 3.0) -> dict:
+    """Every live rank's flight recorder dump, sent as ``flightrec`` events
+    ahead of this call's result; the result says, per rank, whether it
+    answered: {rank: "dumped" | "no answer" | "no flight recorder"}."""
+    agent = AGENT
+    if agent is None or agent.tailer is None or not agent.fr_dir:
+        return {}
+    pids = dict(agent.tailer.pids)
+    state = flightrec_request(agent.fr_dir, sorted(pids), float(wait))
+    flightrec_send(agent.chan, agent.fr_dir, pids)
+    return {str(r): v for r, v in state.items()}
 
 
 _CHILD_EXITED = threading.Event()

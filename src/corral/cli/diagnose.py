@@ -135,6 +135,7 @@ def _as_json(report: RunReport) -> dict:
         "found": report.found,
         "first_error": None if report.first_error is None else report.first_error.to_dict(),
         "hang": None if report.hang is None else report.hang.to_dict(),
+        "flightrec": None if report.flightrec is None else report.flightrec.to_dict(),
         "exception": None if report.exception is None else {
             "exception": report.exception.text, "type": report.exception.type,
             "message": report.exception.message, "line": report.exception.line,
@@ -213,6 +214,9 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
     if report.hang is not None:
         n += 1
         _print_hang(con, n, report)
+    if report.flightrec is not None and report.flightrec.culprits:
+        n += 1
+        _print_flightrec(con, n, report)
     if report.failure is not None and report.failure.left_early:
         n += 1
         who = ", ".join(f"rank {r} on {h}" for h, r in report.failure.left_early[:3])
@@ -308,6 +312,18 @@ def _unexplained(fe) -> str:
                 "a user, a watchdog); the lines above are the last it wrote.")
     return ("It exited without a Python traceback: the lines above usually say why (argparse prints "
             "`error: ...` and exits with 2; sys.exit(N) and os._exit(N) print nothing).")
+
+
+def _print_flightrec(con, n: int, report: RunReport) -> None:
+    """The collective where the ranks stopped agreeing, from their flight recorder dumps."""
+    fr = report.flightrec
+    assert fr is not None
+    lines = fr.lines(report.rank_stacks)
+    head = lines[0].removeprefix("flight recorder: ")
+    con.print(f"\n[bold]{n}. Flight recorder: {escape(head)}[/]")
+    for line in lines[1:]:
+        con.print(f"   {escape(line.strip() if not line.startswith('      ') else '  ' + line.strip())}")
+    con.print(f"   [cyan]dumps:[/] {escape(report.path)}/flightrec/ [dim](torch's own format, one per rank)[/]")
 
 
 def _print_hang(con, n: int, report: RunReport) -> None:

@@ -78,8 +78,14 @@ from corral.run.scriptcheck import (
                    "corral, for a last checkpoint; torchrun waits 30]")
 @click.option("--hang-timeout", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
               help="If no rank writes anything for this long, dump every rank's Python stack "
-                   "(merged into one tree) and stop the job. Without it, 2 minutes of silence only "
+                   "(merged into one tree) and flight recorder (the collective where they disagree), "
+                   "and stop the job. Without it, 2 minutes of silence only "
                    "get a notice (with the tree when some ranks are apart). See also `corral stacks`.")
+@click.option("--no-flight-recorder", "no_flight_recorder", is_flag=True,
+              help="Leave PyTorch's collective flight recorder off. By default every rank records its last "
+                   "2000 collectives, and on a hang, a failure or `corral stacks` corral gathers them into "
+                   "runs/<id>/flightrec/ and names the first collective where the ranks disagree "
+                   "(docs/diagnose.md).")
 @click.option("--launcher-arg", "launcher_args", multiple=True, metavar="ARG",
               help="Extra argument for the launcher itself (e.g. --launcher-arg=--mixed_precision=bf16). Repeatable.")
 @click.option("--config-file", default=None, metavar="FILE",
@@ -112,6 +118,7 @@ def run(
     node_timeout: float,
     grace: float | None,
     hang_timeout: float | None,
+    no_flight_recorder: bool,
     launcher_args: tuple[str, ...],
     config_file: str | None,
     fresh_ranks: bool,
@@ -194,7 +201,7 @@ def run(
         spec = dataclasses.replace(spec, run_id=new_run_id())
     options = RunOptions(
         runs_dir=runs_dir, max_restarts=max_restarts,
-        node_timeout=node_timeout, hang_timeout=hang_timeout,
+        node_timeout=node_timeout, hang_timeout=hang_timeout, flight_recorder=not no_flight_recorder,
         **({} if grace is None else {"grace": grace, "interrupt_grace": grace}),
         shown_ranks=None if status_ranks is None else frozenset(status_ranks),
     )
@@ -508,6 +515,8 @@ def _summary(result: RunResult, as_json: bool) -> None:
         con.print("  [bold]where every rank is:[/]")
         for line in result.stacks:
             con.print("  " + escape(line), soft_wrap=True)
+    for line in result.flightrec:
+        con.print("  " + escape(line), soft_wrap=True)
     if result.failure_tail:
         con.print(f"  [dim]--- last lines of {escape(str(result.failure_log))} ---[/]")
         for line in result.failure_tail:
@@ -546,6 +555,7 @@ def _result_json(result: RunResult) -> dict:
             "log": str(result.failure_log) if result.failure_log else None,
         },
         "stacks": list(result.stacks),
+        "flightrec": list(result.flightrec),
         "caught": [{"host": h, "rank": r, "exception": e, "log": lg} for h, r, e, lg in result.caught],
         "diagnoses": [getattr(d, "id", str(d)) for d in result.diagnoses],
     }

@@ -39,6 +39,9 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
     without root or py-spy: the ranks dump themselves (faulthandler), even
     while blocked in a collective.  A rank that only waits for the Python
     processes it started (mp.spawn) is shown by them: `rank 0 workers 0-3`.
+    With the flight recorder on (the default of `corral run`), every rank's
+    last collectives are gathered into runs/<id>/flightrec/ too, and the
+    first collective where the ranks disagree is named.
     """
     run_id, control = _find_live(runs_dir or default_root(Path.cwd()).path, run, anywhere=runs_dir is None)
     answer = request(control, "stacks")
@@ -46,7 +49,8 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
         raise CorralError(f"run {run_id}: {answer['error']}")
     dumps = {parse_key(k): v for k, v in answer.get("stacks", {}).items()}
     if as_json:
-        emit_json("stacks", {"run_id": run_id, "stacks": answer.get("stacks", {})})
+        emit_json("stacks", {"run_id": run_id, "stacks": answer.get("stacks", {}),
+                             "flightrec": answer.get("flightrec") or []})
         return
     unanswered = {int(r): h for r, h in (answer.get("unanswered") or {}).items()}
     lines, odd = stack_report(dumps, int(answer.get("world_size") or len(dumps)), unanswered=unanswered)
@@ -64,6 +68,9 @@ def stacks(run: str | None, runs_dir: Path | None, as_json: bool) -> None:
         con.print(escape(line), soft_wrap=True)
     if odd:
         con.print(f"[yellow]{fold_keys(odd)} not where the others are[/]")
+    for line in answer.get("flightrec") or []:  # the run's own head wrote these (docs/diagnose.md)
+        if isinstance(line, str):
+            con.print(escape(line), soft_wrap=True)
 
 
 def _find_live(root: Path, run: str | None, *, anywhere: bool = True) -> tuple[str, str]:

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from corral.diagnose.facts import AllFacts
-from corral.diagnose.hang import Hang, read_hang
+from corral.diagnose.flightrec import FlightReport
+from corral.diagnose.flightrec import read_dir as read_flightrec
+from corral.diagnose.hang import Hang, parse_stacks_file, read_hang
 from corral.diagnose.logtext import LogLine, iter_lines, open_log
 from corral.diagnose.lost import lost_node
 from corral.diagnose.matcher import Diagnosis, MatchedLine, Matcher
@@ -140,13 +142,17 @@ class RunReport:
     #: For a single log no rule explains: (line, text) of its first lines that look
     #: like a failure; ``()`` means it shows none (a healthy log), None: not checked.
     failure_lines: tuple[tuple[int, str], ...] | None = None
+    #: What the ranks' flight recorder dumps (``flightrec/``) say, if the run has any.
+    flightrec: FlightReport | None = None
+    #: Per rank, its faulthandler stack from the hang's stacks file (for the flight recorder's odd ranks).
+    rank_stacks: Mapping[int, str] | None = None
 
     @property
     def found(self) -> bool:
         """Something names the failure: a rule, the first rank's exception, or a hang
         (a notice, such as NCCL falling back to sockets, is no failure)."""
         return (any(not d.notice for d in self.diagnoses) or self.first_error is not None
-                or self.hang is not None)
+                or self.hang is not None or bool(self.flightrec and self.flightrec.culprits))
 
 
 def diagnose_path(path: str | Path, facts: AllFacts | None = None,
@@ -212,7 +218,15 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
         diags.insert(0, local)
         first_error = replace(first_error, explained_by=(local.rule_id, *first_error.explained_by))
     hang = read_hang(root, record, _rank_hosts(record)) if record else None
-    return RunReport(path=str(root), kind="run" if run_json.is_file() else "dir",
+    world = record.get("world_size")
+    flight = read_flightrec(root, world if isinstance(world, int) else None)
+    stacks = None
+    if hang is not None and hang.stacks_file:
+        try:
+            stacks = parse_stacks_file(Path(hang.stacks_file).read_text(encoding="utf-8", errors="replace"))
+        except OSError:
+            stacks = None
+    return RunReport(flightrec=flight, rank_stacks=stacks,path=str(root), kind="run" if run_json.is_file() else "dir",
                      files=tuple(str(f.relative_to(root)) for f, _, _ in logs), failure=failure,
                      facts_hosts=tuple(sorted(all_facts)), diagnoses=tuple(diags),
                      status=record.get("status") if isinstance(record.get("status"), str) else None,

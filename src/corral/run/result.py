@@ -44,6 +44,8 @@ class RunResult:
     duration_s: float = 0.0
     #: The merged stack tree, when a hang was detected.
     stacks: tuple[str, ...] = ()
+    #: What the ranks' collective flight recorder dumps say (``diagnose/flightrec.py``).
+    flightrec: tuple[str, ...] = ()
     #: (host, rank, exception line, rank log) of ranks that printed a traceback
     #: in a run that still succeeded (the script caught its own error).
     caught: tuple[tuple[str, int, str, str], ...] = ()

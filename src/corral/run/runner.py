@@ -49,6 +49,7 @@ from corral.errors import (
 )
 from corral.model import Cluster
 from corral.run.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
+from corral.run.flightrec import FlightDumps, at_failure, at_hang, flight_report, save_report
 from corral.run.logs import RunLogs
 from corral.run.imports import node_accelerate_notes
 from corral.run.plan import LaunchPlan, RunSpec, build_plan, ds_config_notes, job_sets
@@ -98,6 +99,9 @@ class RunOptions:
     #: world size is known only once every node's GPUs are counted, so a rank
     #: that does not exist is refused here, before anything starts.
     shown_ranks: frozenset[int] | None = None
+    #: Turn PyTorch's collective flight recorder on in every rank; its dumps
+    #: are gathered into the run directory on a hang or failure (``--no-flight-recorder``).
+    flight_recorder: bool = True
 
 
 class RunView(Sink, Protocol):
@@ -183,6 +187,11 @@ class Runner:
         #: SIGINT, so their KeyboardInterrupt handlers run; SIGTERM/SIGHUP as SIGTERM.
         self.interrupt_signal: int | None = None
         self.hang_stacks: tuple[str, ...] = ()
+        #: Flight recorder dumps the nodes sent, and what they say (lines).
+        self.flight = FlightDumps()
+        self.flight_lines: tuple[str, ...] = ()
+        #: What the GPU nodes' kernels, GPUs and NCCL said at a failure.
+        self.health: tuple[str, ...] = ()
         self._wake: asyncio.Event | None = None
         self.started = time.time()
 
@@ -209,6 +218,9 @@ class Runner:
     # -- events ------------------------------------------------------------
 
     def _on_event(self, session: AgentSession, ev: dict) -> None:
+        if ev.get("ev") == "flightrec":
+            self.flight.take(session.name, ev)
+            return
         notice = node_notice(session.name, ev, interrupted=bool(self.interrupts))
         if notice:
             self.view.message(notice)
@@ -244,10 +256,14 @@ class Runner:
         silent: list[str] = []
         dumps = await collect_stacks(self.attempt.pool, unanswered=silent)
         plan = self.attempt.plan
+        report = None
+        if self.options.flight_recorder and self.logs is not None:
+            report = await flight_report(self.attempt.pool, self.flight, self.logs.dir, plan.world_size)
         return {"run_id": self.spec.run_id, "world_size": plan.world_size,
                 "master_addr": plan.master_addr, "master_port": plan.master_port,
                 "unanswered": {str(r): h for r, h in ranks_of(plan, silent).items()},
-                "stacks": {stack_key_text(k): v for k, v in dumps.items()}}
+                "stacks": {stack_key_text(k): v for k, v in dumps.items()},
+                "flightrec": report.lines() if report is not None else []}
 
     async def _quiet(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
         """No output for a while and no --hang-timeout: a hang or a quiet
@@ -276,8 +292,19 @@ class Runner:
         lines = snap.lines + ([snap.note] if snap.note else [])
         for line in lines:
             self.view.message(line)
-        self.hang_stacks = tuple(lines)
-        if snap.odd:
+        report, more = await at_hang(pool, self.flight, self.logs.dir, watch.plan.world_size,
+                                     enabled=self.options.flight_recorder, since=self.started,
+                                     stacks={k: t for k, t in snap.dumps.items() if isinstance(k, int)})
+        for line in more:
+            self.view.message(line)
+        self.hang_stacks, self.flight_lines = tuple(lines), tuple(more)
+        if report is not None and report.culprits and not snap.odd:
+            rank = report.culprits[0]
+            node = watch.plan.node_of_rank(rank)
+            watch.hang(node.host.name if node else watch.plan.nodes[0].host.name, rank,
+                       f"no progress for {silent:.0f}s; {fold_ranks(set(report.culprits))} out of step in the "
+                       f"flight recorder (stacks: {snap.path})")
+        elif snap.odd:
             rank = min(key_rank(k) for k in snap.odd)
             node = watch.plan.node_of_rank(rank)
             watch.hang(node.host.name if node else watch.plan.nodes[0].host.name, rank,
@@ -411,6 +438,8 @@ class Runner:
 
     async def _start(self, pool: AgentPool, plan: LaunchPlan, number: int) -> None:
         hook = hook_source()
+        self.flight.clear()  # dumps and health of this attempt only
+        self.flight_lines = self.health = ()
 
         async def one(node) -> None:
             # which run of the job this is: a script resumes from its checkpoint after a restart
@@ -426,6 +455,7 @@ class Runner:
                 "tag": f"{plan.run_id}-{number}",
                 "keep_tmp": self.options.keep_node_tmp,
                 "preload": self.spec.preload and self.spec.launcher in PREWARMED,
+                "flight_recorder": self.options.flight_recorder,
             }
             session = pool[node.host.name]
             session.ranks = node.ranks  # a frame for any other rank is a protocol error
@@ -485,6 +515,8 @@ class Runner:
                 else:
                     reason = cause.describe()
                     self.view.message(f"{reason}: stopping every node")
+                    if cause.kind != "hang":  # the collectives and GPUs, before the teardown (a hang's: read)
+                        self.health = await at_failure(pool, enabled=self.options.flight_recorder, since=self.started)
                 self.view.stopping()
                 watch.stopping = True
                 stopping_since = now
@@ -539,6 +571,8 @@ class Runner:
         left_early: tuple[tuple[str, int], ...] = ()
         hints: tuple[str, ...] = ()
         if failure is not None and failure.kind != "hang":  # a hang's story is its stacks
+            report = save_report(self.flight, self.logs.dir, plan.world_size)
+            self.flight_lines = (tuple(report.lines()) if report is not None and report.culprits else ()) + self.health
             left_early = tuple(watch.left_early(failure))
             hints = tuple(h for h in (env_hint(self.head_env, plan, failure, watch.tail_for(failure)),) if h)
             tail = tuple(watch.tail_for(failure))
@@ -549,7 +583,7 @@ class Runner:
             run_id=plan.run_id, status=status, exit_code=code, run_dir=self.logs.dir, plan=plan,
             failure=failure, failure_tail=tail, failure_log=failure_log, diagnoses=diagnoses,
             left_early=left_early, hints=hints, restarts=tuple(r["failure"] for r in self.restarts),
-            attempts=attempts, duration_s=duration, stacks=self.hang_stacks,
+            attempts=attempts, duration_s=duration, stacks=self.hang_stacks, flightrec=self.flight_lines,
             caught=tuple((h, r, exc, str(self.logs.path_for(h, r)))
                          for (h, r), exc in sorted(watch.tracebacks.items(), key=lambda kv: kv[0][1]))
             if status == "succeeded" else (),

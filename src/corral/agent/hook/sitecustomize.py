@@ -22,6 +22,12 @@ Lightning's children set ``LOCAL_RANK`` and ``NODE_RANK``), it:
   ``rank<N>.stacks`` so ``corral stacks`` / ``--hang-timeout`` can show
   where every rank is, without ptrace or special privileges.
 
+- with the flight recorder on (``CORRAL_FR_DIR``), writes torch's flight
+  recorder dump (its last collectives) to ``$CORRAL_FR_DIR/rank<N>.*.json``
+  when the agent writes to ``rank<N>.fifo`` (a hang, ``corral stacks``: a
+  thread blocked on the FIFO answers even while the main thread waits inside
+  a collective) and when the process exits normally or by an exception.
+
 A new interpreter started under a rank (an ``mp.spawn`` worker) registers
 the same dump into ``rank<N>.w<pid>.stacks`` and nothing else.
 
@@ -83,6 +89,137 @@ def _corral_pidfile(base, text):
     os.replace(tmp, base + ".pid")
 
 
+def _corral_fr_dump(base):
+    """Write this rank's flight recorder dump, if torch.distributed is in use
+    (never imported here: a process that does not use it has nothing to say).
+
+    ``<base>.cpu.json`` (gloo and other CPU-side process groups, torch 2.8+),
+    ``<base>.nccl.json`` (CUDA builds), or ``<base>.nccl.pkl`` from a torch
+    that has only the pickle format; then ``<base>.done`` with a counter, which
+    the agent waits for.  Each file whole or not at all."""
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    if c10d is None:
+        return
+    calls = (("_dump_nccl_trace_json", ".nccl.json", (True, False)),
+             ("_dump_fr_trace_json", ".cpu.json", (True, False)))
+    wrote = 0
+    for name, suffix, args in calls:
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        try:
+            data = fn(*args)
+        except Exception:
+            continue
+        _corral_write(base + suffix, data)
+        wrote += 1
+    if not wrote and getattr(c10d, "_dump_nccl_trace", None) is not None:
+        try:
+            _corral_write(base + ".nccl.pkl", c10d._dump_nccl_trace())
+        except Exception:
+            pass
+    global _CORRAL_FR_COUNT
+    _CORRAL_FR_COUNT += 1
+    _corral_write(base + ".done", ("%d %d" % (os.getpid(), _CORRAL_FR_COUNT)).encode())
+
+
+_CORRAL_FR_COUNT = 0
+
+
+def _corral_write(path, data):
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+#: Entries each process group keeps (torch's documented value for debugging hangs).
+_CORRAL_FR_ENTRIES = "2000"
+
+
+def _corral_torch_version():
+    """(major, minor) of the torch this process would import, read from its
+    ``version.py`` without importing it; None when there is none."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+        m = re.search(r"__version__\s*=\s*['\"](\d+)\.(\d+)", f.read(4096))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _corral_fr_env(fr_dir):
+    """torch's flight recorder variables, set in this process before torch
+    reads them, under the names its torch knows: torch 2.10 and later read
+    ``TORCH_FR_BUFFER_SIZE``/``TORCH_FR_DUMP_TEMP_FILE`` and warn on the older
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE``/``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``; older
+    torch reads only those (NCCL only before 2.8), so both are set there.
+    ``TORCH_NCCL_DUMP_ON_TIMEOUT`` has one name.  A value the job set under
+    either name wins (``TORCH_NCCL_TRACE_BUFFER_SIZE=0`` keeps it off)."""
+    try:
+        version = _corral_torch_version()
+    except Exception:
+        version = None
+    prefix = os.path.join(fr_dir, "torch_trace_rank_")
+    names = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+             "TORCH_FR_BUFFER_SIZE": _CORRAL_FR_ENTRIES, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    if version is None or version < (2, 10):
+        names.update(TORCH_NCCL_TRACE_BUFFER_SIZE=_CORRAL_FR_ENTRIES, TORCH_NCCL_DEBUG_INFO_TEMP_FILE=prefix)
+    pairs = (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+             ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+    for pair in pairs:
+        if any(os.environ.get(n) for n in pair):
+            for n in pair:
+                names.pop(n, None)
+    for name, value in names.items():
+        if not os.environ.get(name):
+            os.environ[name] = value
+
+
+def _corral_flightrec(rank):
+    """Dump on request (a write to ``rank<N>.fifo``) and at exit."""
+    fr_dir = os.environ.get("CORRAL_FR_DIR", "")
+    if not fr_dir or not os.path.isdir(fr_dir):
+        return
+    _corral_fr_env(fr_dir)
+    import atexit
+    import threading
+
+    base = os.path.join(fr_dir, "rank%d" % rank)
+    fifo = base + ".fifo"
+    os.mkfifo(fifo, 0o600)
+
+    def serve():
+        while True:
+            try:
+                # Blocks, holding no lock, until the agent opens it for writing.
+                with open(fifo, "rb") as f:
+                    f.read()
+                _corral_fr_dump(base)
+            except Exception:
+                return
+
+    threading.Thread(target=serve, name="corral-flightrec", daemon=True).start()
+
+    me = os.getpid()
+
+    def at_exit():
+        if os.getpid() != me:
+            return  # a forked child exiting: the dump is the rank's, not its copy's
+        try:
+            _corral_fr_dump(base)
+        except Exception:
+            pass
+
+    atexit.register(at_exit)
+
+
 def _corral_install():
     log_dir = os.environ.get("CORRAL_LOG_DIR")
     if not log_dir or not os.path.isdir(log_dir):
@@ -140,6 +277,10 @@ def _corral_install():
     sys.excepthook = record_exception
 
     _corral_dumps(base)
+    try:
+        _corral_flightrec(rank)
+    except Exception:
+        pass
     _corral_pidfile(base, str(os.getpid()))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from corral.doctor.checks import connectivity, gpus, network, software, system
+from corral.doctor.checks import connectivity, gpuhealth, gpus, network, software, system
 from corral.doctor.checks.base import (
     ERROR,
     OK,
@@ -52,6 +52,7 @@ ALL_CHECKS: tuple[Check, ...] = (
     connectivity.agents,
     *software.CHECKS,
     *gpus.CHECKS,
+    *gpuhealth.CHECKS,
     *system.CHECKS,
     *network.CHECKS,
     connectivity.ports,
