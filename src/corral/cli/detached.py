@@ -29,9 +29,17 @@ def run_detached(cluster, spec: RunSpec, options: RunOptions, *, as_json: bool) 
     ui.notice(f"run {spec.run_id}: {spec.launcher} on {len(cluster.hosts)} node(s), detached: its supervisor "
               f"runs on {where}; starting...")
     stub = detach.write_stub(options.runs_dir, cluster, spec, started)
+    said_error = []
+
+    def on_line(text: str) -> None:
+        # the supervisor's last words when the job cannot start are the error,
+        # which this command reports itself (once)
+        said_error.extend([True] if text.startswith("corral: error: ") else [])
+        if not said_error:
+            print_line(text, out=sys.stderr)
+
     try:
-        ev = detach.start(cluster, spec, options, head_env=os.environ, head_cwd=os.getcwd(),
-                          on_line=lambda t: print_line(t, out=sys.stderr))
+        ev = detach.start(cluster, spec, options, head_env=os.environ, head_cwd=os.getcwd(), on_line=on_line)
     except CorralError:
         d = detach.from_stub(stub)
         if d is not None:

@@ -275,6 +275,10 @@ def list_everywhere(cluster: Cluster) -> tuple[list[dict], list[HostError]]:
                 problems.append(e)
                 continue
             for job in found:
+                rec = job.get("record") if isinstance(job.get("record"), dict) else {}
+                hosts = {h.get("name") for h in rec.get("hosts", []) if isinstance(h, dict)}
+                if hosts and not hosts & set(cluster.names):
+                    continue  # another cluster's job, in a home these nodes share
                 job["node"] = futures[fut].name
                 old = jobs.get(job["run_id"])
                 if old is None or (old.get("alive") is None and job.get("alive") is not None):

@@ -37,7 +37,7 @@ from corral.run.runner import Runner, RunOptions
 
 #: ssh options that name a file on the machine that wrote the cluster file.
 PATH_OPTIONS = frozenset({"identityfile", "userknownhostsfile", "globalknownhostsfile", "certificatefile",
-                          "controlpath", "identityagent", "include"})
+                          "controlpath", "identityagent", "include", "controlmaster", "controlpersist"})
 
 
 # ---------------------------------------------------------------------------
@@ -81,8 +81,11 @@ def node0_view(cluster: Cluster) -> Cluster:
 
     first = cluster.hosts[0].with_(local=True, ssh_options=())
     others = tuple(h.with_(ssh_options=keep(h.ssh_options)) for h in cluster.hosts[1:])
+    # One connection per node for the whole run, and no shared master that
+    # would outlive the job on node 0 (ControlPersist): a user's option
+    # comes before corral's, and ssh takes the first value it reads.
     return dataclasses.replace(cluster, hosts=(first, *others), ssh_config=None,
-                               ssh_options=keep(cluster.ssh_options))
+                               ssh_options=("ControlMaster=no", *keep(cluster.ssh_options)))
 
 
 # ---------------------------------------------------------------------------
@@ -99,6 +102,12 @@ class SupervisedRunner(Runner):
         self.ready_file = ready_file
         self._started_ranks: set[int] = set()
         self._started_nodes: set[str] = set()
+
+    def _control_path(self) -> Path:
+        # in the job's private directory: nothing in the node's /tmp, even
+        # when this process is killed
+        sock = self.ready_file.parent / "ctl.sock"
+        return sock if len(os.fsencode(sock)) < 100 else super()._control_path()
 
     def _on_event(self, session, ev: dict) -> None:
         super()._on_event(session, ev)
@@ -120,8 +129,22 @@ class SupervisedRunner(Runner):
 def _reach_hint(cluster: Cluster) -> str:
     first = cluster.hosts[0].name
     return (f"the supervisor runs on {first} and reaches the other nodes with {first}'s own ssh keys and "
-            f"known_hosts: `corral ssh setup -c CLUSTER` sets them up (node-to-node), and `ssh {first} ssh "
-            f"{cluster.hosts[-1].name} true` must work; or run without --detach")
+            f"known_hosts: `corral ssh setup -c {cluster.path or 'CLUSTER'}` sets them up (node-to-node), and "
+            f"`ssh {first} ssh {cluster.hosts[-1].name} true` must work; or run without --detach")
+
+
+def _remove_empty_control_dir(sock: Path | None) -> None:
+    """The run's control socket directory on node 0 (``/tmp/corral-<uid>/ctl``
+    without an XDG_RUNTIME_DIR), when nothing else is in it: an attended head
+    keeps it on the user's machine; a node is left as it was found."""
+    if sock is None:
+        return
+    for d in (sock.parent, sock.parent.parent):
+        if d.name.startswith("corral-") or d.name == "ctl":
+            try:
+                d.rmdir()
+            except OSError:
+                return  # not empty: another run's, or the node's jobs
 
 
 def main(jobdir: str) -> int:
@@ -164,5 +187,6 @@ def main(jobdir: str) -> int:
         ui.notice(f"error: {message}" + (f"\n  hint: {hint}" if hint else ""))
     finally:
         view.close()
+        _remove_empty_control_dir(getattr(runner, "control", None))
     (where / "end.json").write_text(json.dumps(end))
     return int(end["exit_code"] or 0)
