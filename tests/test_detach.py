@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import pid_alive
 
 from corral.model import Cluster, Host
 from corral.run import detach
@@ -100,13 +101,12 @@ def test_attach_to_a_finished_job_shows_its_end_and_brings_its_run_directory_bac
     assert res.returncode == 0, res.stderr[-3000:]
     run = run_id_of(res)
     try:
-        for _ in range(100):  # ~3 s of steps: wait for its end
-            done = corral("ps", "--json", "--all", cwd=tmp_path)
-            states = {j["run_id"]: j["state"] for j in json.loads(done.stdout)["jobs"]}
-            if states.get(run) not in ("running", "starting", "stopping"):
+        end = Path(os.environ["HOME"], ".local/state/corral/detached", run, "end.json")
+        for _ in range(300):  # ~3 s of steps: wait for its end (its supervisor's last word, here)
+            if end.exists():
                 break
-            time.sleep(0.3)
-        assert states.get(run) == "succeeded", done.stdout
+            time.sleep(0.1)
+        assert json.loads(end.read_text())["status"] == "succeeded"
         res = corral("attach", run[:12], cwd=tmp_path)
         assert res.returncode == 0, res.stderr
         assert "has ended" in res.stderr and f"run {run} succeeded" in res.stderr
@@ -118,6 +118,27 @@ def test_attach_to_a_finished_job_shows_its_end_and_brings_its_run_directory_bac
         assert rec["status"] == "succeeded" and rec["detached"]
         runs = json.loads(corral("runs", "--json", cwd=tmp_path).stdout)
         assert [r["status"] for r in runs if r["run_id"] == run] == ["succeeded"]
+    finally:
+        _forget(run)
+
+
+def test_stop_tears_a_detached_job_down_as_ctrl_c_does(tmp_path: Path) -> None:
+    script = tmp_path / "steps.py"
+    script.write_text(textwrap.dedent(STEPS))
+    res = corral("run", "--detach", "-n", "2", str(script), "100000", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = run_id_of(res)
+    try:
+        sup = json.loads(Path(os.environ["HOME"], ".local/state/corral/detached", run,
+                              "supervisor.json").read_text())["pid"]
+        res = corral("stop", run, cwd=tmp_path)
+        assert res.returncode == 130, res.stderr
+        assert f"run {run} interrupted" in res.stderr
+        assert not head_processes(run) and not head_processes(str(script))  # supervisor, agent, ranks
+        assert not pid_alive(sup)
+        assert json.loads((tmp_path / "runs" / run / "run.json").read_text())["status"] == "interrupted"
+        again = corral("stop", run, cwd=tmp_path)
+        assert again.returncode == 0 and "is not running" in again.stderr
     finally:
         _forget(run)
 
