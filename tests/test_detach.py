@@ -256,7 +256,7 @@ def test_detached_job_outlives_its_head_and_a_lost_node_is_named_and_torn_down(n
         for pid in head_processes(run) + head_processes(os.environ["HOME"]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        follow = subprocess.Popen(CORRAL + ["logs", run, "-f", "--rank", "5", "--tail", "1"], cwd=work,
+        follow = subprocess.Popen(CORRAL + ["logs", run, "--follow", "--rank", "5", "--tail", "1"], cwd=work,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         steps = []
         assert follow.stdout is not None

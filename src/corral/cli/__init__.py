@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "stacks": ("corral.cli.stacks", "stacks", "Dump the Python stack of every rank of a running job."),
     "runs": ("corral.cli.runs", "runs", "List past runs and where their logs are."),
     "attach": ("corral.cli.attach", "attach", "Follow a detached job's live output (Ctrl-C detaches)."),
-    "logs": ("corral.cli.logs", "logs", "Read a detached job's per-rank logs from its nodes (-f, --sync)."),
+    "logs": ("corral.cli.logs", "logs", "Read a detached job's per-rank logs from its nodes (--follow, --sync)."),
     "stop": ("corral.cli.stop", "stop", "Stop a detached job, as Ctrl-C stops an attended one."),
     "ps": ("corral.cli.ps", "ps", "List the detached jobs on a cluster's nodes."),
     "sandbox": ("corral.cli.sandbox", "sandbox", "A simulated multi-node cluster on this machine."),

@@ -74,7 +74,7 @@ def run_detached(cluster, spec: RunSpec, options: RunOptions, *, as_json: bool) 
     con.print(f"[green]corral:[/] run {short} is running, detached (every rank is in user code; took "
               f"{time.time() - started:.1f}s); this terminal can close.")
     con.print(f"  corral attach {short}      # live output (Ctrl-C detaches)\n"
-              f"  corral logs {short} -f     # per-rank logs (--rank R, --node N, --sync)\n"
+              f"  corral logs {short} --follow  # per-rank logs (--rank R, --node N, --sync)\n"
               f"  corral stop {short}        # stop it, as Ctrl-C would\n"
               f"  corral ps{_cluster_flag(cluster)}              # the jobs on these nodes")
 

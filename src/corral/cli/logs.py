@@ -19,7 +19,7 @@ from corral.run import detach
 @cluster_options
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this global rank's log.")
 @click.option("--node", default=None, metavar="HOST", help="Only the logs of this host's ranks (and its launcher).")
-@click.option("-f", "--follow", is_flag=True, help="Keep printing as the ranks write, until the job ends.")
+@click.option("--follow", is_flag=True, help="Keep printing as the ranks write, until the job ends (no -f: it is --fanout in `corral exec`).")
 @click.option("--tail", type=click.IntRange(min=0), default=None, metavar="N",
               help="Start with the last N lines of each log (default: all of it).")
 @click.option("--sync", "sync_dir", is_flag=True,

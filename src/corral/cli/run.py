@@ -93,7 +93,7 @@ from corral.run.scriptcheck import (
 @click.option("--detach", is_flag=True,
               help="Hand the job to a supervisor on the first node (this machine for the default cluster) and "
                    "return once every rank is in user code; the job outlives this terminal. Follow it with "
-                   "`corral attach RUN`, `corral logs RUN -f`, `corral stop RUN`, `corral ps`.")
+                   "`corral attach RUN`, `corral logs RUN --follow`, `corral stop RUN`, `corral ps`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or, with --dry-run, the plan) as JSON.")
 @click.argument("program")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
