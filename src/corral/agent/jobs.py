@@ -166,8 +166,25 @@ def op_put(pkg_hash: str) -> int:
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+    _prune(root, keep=final)
     emit(ev="ok")
     return 0
+
+
+#: A package not started for this long is removed when another is unpacked.
+PKG_KEEP_S = 30 * 86400
+
+
+def _prune(root: str, keep: str) -> None:
+    import shutil
+
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        try:
+            if PKG_HASH.match(name) and path != keep and time.time() - os.lstat(path).st_mtime > PKG_KEEP_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def op_launch(run_id: str) -> int:
@@ -187,6 +204,7 @@ def op_launch(run_id: str) -> int:
     if not os.path.isdir(pkg):
         emit(ev="need_pkg")
         return 0
+    os.utime(pkg)  # in use: kept (see _prune)
     jobdir = job_dir(run_id, create=True)
     _write_private(os.path.join(jobdir, "job.json"), json.dumps(request["job"]).encode())
     log = os.open(os.path.join(jobdir, "console.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,

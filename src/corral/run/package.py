@@ -47,17 +47,51 @@ def _files(package: str) -> list[tuple[str, Path]]:
 
 @lru_cache(maxsize=1)
 def supervisor_package() -> tuple[bytes, str]:
-    """(zip bytes, sha256 hex) of what the supervisor runs from."""
+    """(zip bytes, sha256 hex) of what the supervisor runs from.
+
+    Zipping takes about a second; the zip is kept in this user's private
+    cache (``~/.cache/corral/pkg/``), named after the files' names, sizes
+    and modification times, so a detached start pays it once per version."""
+    files = [(name, path, path.stat()) for package in PACKAGES for name, path in _files(package)]
+    key = hashlib.sha256(repr([(n, st.st_size, st.st_mtime_ns) for n, _, st in files]).encode()).hexdigest()
+    cached = _cache_dir()
+    zpath = cached / f"head-{key[:32]}.zip" if cached else None
+    if zpath is not None and zpath.is_file() and not zpath.is_symlink():
+        data = zpath.read_bytes()
+        return data, hashlib.sha256(data).hexdigest()
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
-        for package in PACKAGES:
-            for name, path in _files(package):
-                info = zipfile.ZipInfo(name, date_time=_EPOCH)
-                info.compress_type = zipfile.ZIP_DEFLATED
-                info.external_attr = 0o600 << 16
-                z.writestr(info, path.read_bytes())
+        for name, path, _ in files:
+            info = zipfile.ZipInfo(name, date_time=_EPOCH)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o600 << 16
+            z.writestr(info, path.read_bytes())
     data = buf.getvalue()
+    if zpath is not None:
+        for old in cached.glob("head-*.zip"):  # an older version's
+            old.unlink(missing_ok=True)
+        tmp = zpath.with_name(f".{zpath.name}.{os.getpid()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, zpath)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a cache only: the next start zips again
     return data, hashlib.sha256(data).hexdigest()
+
+
+def _cache_dir() -> Path | None:
+    """This user's private cache directory for the zip, or None (no cache)."""
+    from corral.agent.private import UnsafePlace, private_dir
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = base / "corral" / "pkg"
+    try:
+        private_dir(str(path), str(Path.home()) if str(path).startswith(str(Path.home()) + "/") else str(base))
+    except (UnsafePlace, OSError, ValueError):
+        return None
+    return path
 
 
 #: Runs the node-side module: its source and ``private``'s come packed in argv.
