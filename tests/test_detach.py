@@ -25,8 +25,7 @@ import pytest
 from conftest import pid_alive
 
 from corral.model import Cluster, Host
-from corral.run import detach
-from corral.run.package import jobs_program, supervisor_package
+from corral.run.package import supervisor_package
 from corral.run.supervisor import cluster_from_json, cluster_to_json, node0_view
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +44,8 @@ STEPS = """
 
 
 def corral(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(CORRAL + list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(CORRAL + list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 def run_id_of(res: subprocess.CompletedProcess) -> str:
@@ -79,7 +79,8 @@ def test_the_package_is_the_same_for_the_same_files() -> None:
         kept.unlink()  # built again, not read back
     again, digest2 = supervisor_package()
     assert digest == digest2 and data == again
-    import zipfile, io  # noqa: E401
+    import io
+    import zipfile
 
     names = zipfile.ZipFile(io.BytesIO(data)).namelist()
     assert "corral/run/supervisor.py" in names and "rich/console.py" in names
@@ -183,8 +184,8 @@ def assert_clean(sandbox, within: float, nodes: list[str] | None = None) -> None
 def node_ssh(sandbox):
     """Node 1 can ssh to the others (its own key and known_hosts), for the test only."""
     first = sandbox.nodes[0]
-    sandbox.exec(first, ["sh", "-c", "mkdir -p -m 700 /root/.ssh && cat > /root/.ssh/id_ed25519 "
-                                     "&& chmod 600 /root/.ssh/id_ed25519"],
+    sandbox.exec(first, ["sh", "-c", ("mkdir -p -m 700 /root/.ssh && cat > /root/.ssh/id_ed25519 "
+                                      "&& chmod 600 /root/.ssh/id_ed25519")],
                  input=sandbox.identity_file.read_text(), check=True)
     sandbox.exec(first, ["sh", "-c", "cat > /root/.ssh/known_hosts"], input=sandbox.known_hosts.read_text(),
                  check=True)

@@ -10,7 +10,7 @@ _out = sys.argv[1]
 with open(os.path.join(_out, f"user-{os.environ.get('RANK', 'x')}"), "w") as f:
     f.write(repr(time.time()))
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
 dist.init_process_group("gloo")
 dist.barrier()

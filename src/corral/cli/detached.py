@@ -45,6 +45,8 @@ def run_detached(cluster, spec: RunSpec, options: RunOptions, *, as_json: bool) 
         if d is not None:
             detach.refresh(d)
         raise
+    except KeyboardInterrupt:
+        _stop_while_starting(stub)
     d = detach.from_stub(stub)
     assert d is not None
     if ev["ev"] == "end":
@@ -77,6 +79,21 @@ def run_detached(cluster, spec: RunSpec, options: RunOptions, *, as_json: bool) 
               f"  corral logs {short} --follow  # per-rank logs (--rank R, --node N, --sync)\n"
               f"  corral stop {short}        # stop it, as Ctrl-C would\n"
               f"  corral ps{_cluster_flag(cluster)}              # the jobs on these nodes")
+
+
+def _stop_while_starting(stub: Path) -> None:
+    """Ctrl-C before the job was handed over: stop it, as Ctrl-C of an attended run would."""
+    d = detach.from_stub(stub)
+    assert d is not None
+    ui.notice(f"interrupted while run {d.run_id} was starting: stopping it on every node...")
+    try:
+        for ev in detach.node_events(d.cluster, d.host, "stop", d.run_id):
+            if ev["ev"] == "line":
+                print_line(ev["t"], out=sys.stderr)
+    except (HostError, KeyboardInterrupt):
+        ui.notice(f"could not be sure it stopped: `corral stop {d.run_id}`")
+    detach.refresh(d)
+    sys.exit(EXIT_INTERRUPTED)
 
 
 def _cluster_flag(cluster) -> str:
@@ -124,7 +141,8 @@ def end_line(ev: dict, run_id: str) -> tuple[str, int]:
     failure = ev.get("failure")
     code = ev.get("exit_code") if isinstance(ev.get("exit_code"), int) else 0
     if status in ("running", "starting", "None", "unknown"):
-        return (f"run {run_id}'s supervisor is gone without recording an end (killed): the nodes stopped the "
-                "job by themselves; its logs are as far as it got", 3)
+        said = (f"run {run_id}'s supervisor is gone without recording an end (killed): the nodes stopped the "
+                "job by themselves; its logs are as far as it got")
+        return said, 3
     text = f"run {run_id} {status}" + (f": {terminal_safe(str(failure))}" if failure else "")
     return text, (EXIT_INTERRUPTED if status == "interrupted" else code)
