@@ -89,11 +89,11 @@ def main() -> None:
               f"returned {cold['returned']:.1f}s")
         res: dict[str, list[dict]] = {"attached": [], "detached": []}
         for _ in range(args.repeat):
-            for name in res:
+            for name, rs in res.items():
                 r = once(sb, name == "detached", runs)
-                res[name].append(r)
+                rs.append(r)
                 print(f"  {name:9s} ok={r['ok']} user code {r['user']:.1f}s, command returned {r['returned']:.1f}s")
-        med = {n: statistics.median([r["user"] for r in rs if r["ok"]]) for n, rs in res.items()}  # noqa: PLC0206
+        med = {n: statistics.median([r["user"] for r in rs if r["ok"]]) for n, rs in res.items()}
         ret = statistics.median([r["returned"] for r in res["detached"] if r["ok"]])
         print(f"\nTo every rank in user code, {args.nodes} nodes x 2 ranks (median of {args.repeat}):")
         print(f"  attached {med['attached']:.2f}s   detached {med['detached']:.2f}s "
