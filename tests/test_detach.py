@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import pid_alive
 
+from corral.hostrange import fold
 from corral.model import Cluster, Host
 from corral.run.package import supervisor_package
 from corral.run.supervisor import cluster_from_json, cluster_to_json, node0_view
@@ -247,6 +248,20 @@ def supervisor_pid(sandbox, run: str) -> int:
     pids = [int(ln.split()[0]) for ln in out.splitlines() if f"corral-supervisor {run}" in ln]
     assert len(pids) == 1, out
     return pids[0]
+
+
+@pytest.mark.sandbox
+def test_node0_that_cannot_reach_the_others_is_named_with_the_fix_before_anything_starts(sandbox, work: Path) -> None:
+    res = corral("run", "-c", str(sandbox.cluster_file), "--detach", "steps.py", "3", cwd=work)
+    first, others = sandbox.nodes[0], sandbox.nodes[1:]
+    assert res.returncode == 3, res.stderr[-3000:]
+    assert f"{first}, where the supervisor runs, cannot reach {fold(others)} over ssh" in res.stderr
+    assert f"corral ssh setup -c {sandbox.cluster_file}" in res.stderr
+    assert res.stderr.count("cannot reach") == 1  # said once, not once by the node and again here
+    run = re.search(r"run (\S+): torchrun", res.stderr).group(1)
+    _forget(run)
+    assert json.loads(corral("runs", "--json", cwd=work).stdout)[0]["status"] == "failed"
+    assert_clean(sandbox, within=5)
 
 
 @pytest.mark.sandbox

@@ -40,10 +40,10 @@ def run_detached(cluster, spec: RunSpec, options: RunOptions, *, as_json: bool) 
 
     try:
         ev = detach.start(cluster, spec, options, head_env=os.environ, head_cwd=os.getcwd(), on_line=on_line)
-    except CorralError:
+    except CorralError as e:
         d = detach.from_stub(stub)
-        if d is not None:
-            detach.refresh(d)
+        if d is None or detach.refresh(d) is None:
+            detach.mark_failed(stub, str(e))  # never started there: not "running" for ever here
         raise
     except KeyboardInterrupt:
         _stop_while_starting(stub)

@@ -13,6 +13,7 @@ from rich.table import Table
 from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
 from corral.errors import PreflightError
+from corral.frames import terminal_safe
 from corral.hostrange import fold
 from corral.run import detach
 
@@ -66,6 +67,11 @@ def ps(cluster_opts: ClusterOptions, show_all: bool, as_json: bool) -> None:
         raise SystemExit(3)
 
 
+def _text(value: object) -> str:
+    """A node's text in a table cell: no terminal controls, no rich markup."""
+    return escape(terminal_safe(str(value)))
+
+
 def _table(rows: list[dict]) -> None:
     if not rows:
         ui.notice("no detached jobs on these nodes")
@@ -77,10 +83,10 @@ def _table(rows: list[dict]) -> None:
         since = time.strftime("%m-%d %H:%M", time.localtime(r["since"])) if r["since"] else "-"
         gpus = "; ".join(f"{h}:{g}" for h, g in r["gpus"].items()) or "-"
         color = {"running": "cyan", "succeeded": "green", "failed": "red", "died": "red"}.get(r["state"], "yellow")
-        table.add_row(escape(r["run_id"]), escape(r["user"]), escape(r["launcher"]),
-                      escape(fold(r["nodes"])) if r["nodes"] else "-", escape(gpus),
-                      ",".join(map(str, r["ports"])) or "-", since, f"[{color}]{r['state']}[/]",
-                      escape(str(r["failure"] or ""))[:160])
+        table.add_row(_text(r["run_id"]), _text(r["user"]), _text(r["launcher"]),
+                      _text(fold(r["nodes"])) if r["nodes"] else "-", _text(gpus),
+                      ",".join(map(str, r["ports"])) or "-", since, f"[{color}]{_text(r['state'])}[/]",
+                      _text(str(r["failure"] or "")[:160]))
     con = ui.console()
     if not con.is_terminal:  # piped (grep, less): rows whole, not cut to 80 columns
         from rich.console import Console

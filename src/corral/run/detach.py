@@ -79,8 +79,13 @@ def node_events(cluster: Cluster, host: Host, op: str, *args: str, stdin: bytes 
     """Run one node-side operation on ``host``; yield its events as they come.
     A node that cannot be reached is a HostError naming it (ssh's reason)."""
     argv, env = _argv(cluster, host, op, args)
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    except OSError as e:
+        raise HostError(host.name, f"cannot run {argv[0]!r}: {e.strerror}",
+                        hint="install the OpenSSH client (apt-get install openssh-client), or fix the host's "
+                             "`python` in the cluster file", kind="detach") from None
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         if stdin is not None:
@@ -180,6 +185,16 @@ def write_stub(runs_dir: Path, cluster: Cluster, spec: RunSpec, started: float) 
                              "program": spec.program, "args": list(spec.args), "started": started,
                              "detached": {"host": cluster.hosts[0].name}, "head": None})
     return stub
+
+
+def mark_failed(stub: Path, why: str) -> None:
+    """A detached start that never reached node 0's supervisor."""
+    try:
+        rec = json.loads((stub / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    rec.update(status="failed", ended=time.time(), failure={"description": why[:2000], "kind": "start"})
+    _write(stub / RUN_FILE, rec)
 
 
 def _write(path: Path, data: Any) -> None:
