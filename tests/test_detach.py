@@ -88,6 +88,30 @@ def test_the_package_is_the_same_for_the_same_files() -> None:
     assert not any("__pycache__" in n for n in names)
 
 
+def test_a_node_with_an_old_python_is_named_before_anything_starts(tmp_path: Path) -> None:
+    """The node-side operations run on Python 3.8; the supervisor needs 3.10."""
+    import glob
+
+    found = sorted(glob.glob(os.path.expanduser("~root/.pyenv/versions/3.8*/bin/python3.8")))
+    found += [p for p in ("/usr/bin/python3.8",) if os.access(p, os.X_OK)]
+    old = found[0] if found else None
+    if old is None:
+        pytest.skip("no Python 3.8 here")
+    from corral.errors import HostError
+    from corral.run import detach
+    from corral.run.plan import RunSpec
+    from corral.run.runner import RunOptions
+
+    cluster = Cluster(hosts=(Host(name="localhost", local=True, python=old),))
+    jobs = detach.list_jobs(cluster, cluster.hosts[0])  # 3.8 runs the node side
+    assert isinstance(jobs, list)
+    with pytest.raises(HostError) as err:
+        detach.start(cluster, RunSpec(program="x.py"), RunOptions(runs_dir=tmp_path), head_env={},
+                     head_cwd=str(tmp_path), on_line=lambda _: None)
+    assert "needs Python 3.10+" in err.value.message and "3.8" in err.value.message
+    assert "`python` for localhost" in (err.value.hint or "")
+
+
 def test_unknown_run_is_named_with_how_to_look_on_the_nodes(tmp_path: Path) -> None:
     res = corral("logs", "20990101-nosuch")
     assert res.returncode == 2, res.stderr
@@ -290,6 +314,10 @@ def test_detached_job_outlives_its_head_and_a_lost_node_is_named_and_torn_down(n
         assert rec["status"] == "failed" and victim in rec["failure"]["description"], rec
         others = [n for n in sandbox.nodes if n != victim]
         assert_clean(sandbox, within=max(1.0, 15 + 5 - (time.monotonic() - t0)), nodes=others)
+        # the logs of the node that is down: kept on node 0, where the supervisor wrote them
+        logs = corral("logs", run, "--tail", "1", cwd=work)
+        assert logs.returncode == 0, logs.stderr
+        assert f"[{victim}/r4] step" in logs.stdout and f"[{sandbox.nodes[0]}/r0] step" in logs.stdout
         sandbox.heal(victim)
         job = ps(sandbox, work)[run]
         assert job["state"] == "failed" and victim in job["failure"], job
