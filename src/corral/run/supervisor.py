@@ -176,15 +176,23 @@ def main(jobdir: str) -> int:
                   + f" after {result.duration_s:.1f}s (exit code {result.exit_code})")
     except CorralError as e:
         message, hint = str(e), e.hint
-        if isinstance(e, PreflightError) and message.startswith("connecting failed") and len(cluster.hosts) > 1:
+        first = user_cluster.hosts[0].name
+        if (isinstance(e, PreflightError) and message.startswith("connecting failed")
+                and all(p.host != first for p in e.problems)):
             from corral.hostrange import fold
 
-            first = user_cluster.hosts[0].name
             message = (f"{first}, where the supervisor runs, cannot reach "
                        f"{fold(dict.fromkeys(p.host for p in e.problems))} over ssh: {message}")
             hint = _reach_hint(user_cluster)
         end = {"status": "failed", "exit_code": e.exit_code, "error": message, "hint": hint}
         ui.notice(f"error: {message}" + (f"\n  hint: {hint}" if hint else ""))
+    except Exception as e:  # noqa: BLE001 - a bug of ours: said, and recorded as the job's end
+        import traceback
+
+        traceback.print_exc()
+        end = {"status": "failed", "exit_code": 1,
+               "error": f"corral's supervisor failed: {type(e).__name__}: {e} (please report this, with console.log)"}
+        ui.notice(f"error: {end['error']}")
     finally:
         view.close()
         _remove_empty_control_dir(getattr(runner, "control", None))
