@@ -122,35 +122,7 @@ def test_unknown_run_is_named_with_how_to_look_on_the_nodes(tmp_path: Path) -> N
 # this machine: the supervisor is a local daemon
 
 
-def test_attach_to_a_finished_job_shows_its_end_and_brings_its_run_directory_back(tmp_path: Path) -> None:
-    script = tmp_path / "steps.py"
-    script.write_text(textwrap.dedent(STEPS))
-    res = corral("run", "--detach", "-n", "2", str(script), "8", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-    run = run_id_of(res)
-    try:
-        end = Path(os.environ["HOME"], ".local/state/corral/detached", run, "end.json")
-        for _ in range(300):  # ~3 s of steps: wait for its end (its supervisor's last word, here)
-            if end.exists():
-                break
-            time.sleep(0.1)
-        assert json.loads(end.read_text())["status"] == "succeeded"
-        res = corral("attach", run[:12], cwd=tmp_path)
-        assert res.returncode == 0, res.stderr
-        assert "has ended" in res.stderr and f"run {run} succeeded" in res.stderr
-        assert "step 7 rank 1" in res.stdout
-        local = tmp_path / "runs" / run
-        assert "step 7 rank 0" in (local / os.uname().nodename.split(".")[0] / "rank0.log").read_text() \
-            or any("step 7 rank 0" in p.read_text() for p in local.glob("*/rank0.log"))
-        rec = json.loads((local / "run.json").read_text())
-        assert rec["status"] == "succeeded" and rec["detached"]
-        runs = json.loads(corral("runs", "--json", cwd=tmp_path).stdout)
-        assert [r["status"] for r in runs if r["run_id"] == run] == ["succeeded"]
-    finally:
-        _forget(run)
-
-
-def test_stop_tears_a_detached_job_down_as_ctrl_c_does(tmp_path: Path) -> None:
+def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: Path) -> None:
     script = tmp_path / "steps.py"
     script.write_text(textwrap.dedent(STEPS))
     res = corral("run", "--detach", "-n", "2", str(script), "100000", cwd=tmp_path)
@@ -164,9 +136,19 @@ def test_stop_tears_a_detached_job_down_as_ctrl_c_does(tmp_path: Path) -> None:
         assert f"run {run} interrupted" in res.stderr
         assert not head_processes(run) and not head_processes(str(script))  # supervisor, agent, ranks
         assert not pid_alive(sup)
-        assert json.loads((tmp_path / "runs" / run / "run.json").read_text())["status"] == "interrupted"
         again = corral("stop", run, cwd=tmp_path)
         assert again.returncode == 0 and "is not running" in again.stderr
+        # attach to the finished job: its last lines, how it ended, its run directory brought back
+        res = corral("attach", run[:12], cwd=tmp_path)
+        assert res.returncode == 130, res.stderr
+        assert "has ended" in res.stderr and f"run {run} interrupted" in res.stderr
+        assert re.search(r"\[r1\] step \d+ rank 1", res.stdout), res.stdout  # the console's last lines
+        local = tmp_path / "runs" / run
+        assert any("step 0 rank 0" in p.read_text() for p in local.glob("*/rank0.log"))
+        rec = json.loads((local / "run.json").read_text())
+        assert rec["status"] == "interrupted" and rec["detached"]
+        runs = json.loads(corral("runs", "--json", cwd=tmp_path).stdout)
+        assert [r["status"] for r in runs if r["run_id"] == run] == ["interrupted"]
     finally:
         _forget(run)
 
