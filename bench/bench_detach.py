@@ -14,7 +14,9 @@ time it reached user code, then meets the others), same 4-node sandbox
   ssh key (the sandbox's key, put in node 1's ~/.ssh here, as `corral ssh
   setup` would), and the command returns once every rank is in user code.
 
-Measured: seconds from the command's start to the last rank's "in user code"
+Every run starts without an ssh connection of this machine's left from the
+one before (ControlPersist would otherwise save the attended runs their
+handshakes, which the supervisor always makes). Measured: seconds from the command's start to the last rank's "in user code"
 time stamp (the same for both), and, detached, to the command's return.
 The first detached run also unpacks corral's package on node 1 (cold); it
 is reported apart and left out of the medians.  Goal: detached / attached
@@ -25,7 +27,10 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import contextlib
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -49,12 +54,29 @@ def node_ssh(sb: Sandbox) -> None:
     sb.exec(first, ["sh", "-c", "cat > /root/.ssh/known_hosts"], input=sb.known_hosts.read_text(), check=True)
 
 
-def once(sb: Sandbox, detach: bool, runs: Path) -> dict:
+def close_masters(runtime: Path) -> None:
+    """No ssh connection of this machine's outlives a run: each run connects
+    afresh, as a user's first command would (the supervisor on node 1 never
+    keeps one)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmd.startswith(b"ssh: ") and str(runtime).encode() in cmd:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGTERM)
+
+
+def once(sb: Sandbox, detach: bool, runs: Path, runtime: Path) -> dict:
     out = Path(tempfile.mkdtemp(prefix="detach-", dir=REPO / "scratch"))
     argv = CORRAL + ["run", "-c", str(sb.cluster_file), "--runs-dir", str(runs),
                      *(["--detach"] if detach else []), str(PROBE), str(out), "3"]
+    close_masters(runtime)
+    time.sleep(0.5)
     t0 = time.time()
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+                          env=dict(os.environ, XDG_RUNTIME_DIR=str(runtime)))
     returned = time.time() - t0
     want = 2 * len(sb.nodes)
     deadline = time.time() + 60
@@ -78,19 +100,20 @@ def main() -> None:
     (REPO / "scratch").mkdir(exist_ok=True)
     compileall.compile_dir(Path(corral_pkg.__file__).parent, quiet=1)  # corral as installed
     runs = Path(tempfile.mkdtemp(prefix="bench-detach-"))
+    runtime = Path(tempfile.mkdtemp(prefix="bench-detach-rt-"))  # this benchmark's ssh sockets only
     jobs = Path("/root/.local/state/corral/detached")  # node 1's, shared with this machine by the sandbox
     before = set(jobs.glob("*"))
     sb = Sandbox(name="benchdt", prefix="bd")
     sb.up(args.nodes, with_keys=True, slots=2)
     try:
         node_ssh(sb)
-        cold = once(sb, True, runs)
+        cold = once(sb, True, runs, runtime)
         print(f"  detached (cold: package unpacked on {sb.nodes[0]}): user code {cold['user']:.1f}s, "
               f"returned {cold['returned']:.1f}s")
         res: dict[str, list[dict]] = {"attached": [], "detached": []}
         for _ in range(args.repeat):
             for name, rs in res.items():
-                r = once(sb, name == "detached", runs)
+                r = once(sb, name == "detached", runs, runtime)
                 rs.append(r)
                 print(f"  {name:9s} ok={r['ok']} user code {r['user']:.1f}s, command returned {r['returned']:.1f}s")
         med = {n: statistics.median([r["user"] for r in rs if r["ok"]]) for n, rs in res.items()}
@@ -102,7 +125,9 @@ def main() -> None:
         print(f"  ratio detached / attached = {ratio:.2f}  (goal <= 1.10: {'met' if ratio <= 1.1 else 'MISSED'})")
     finally:
         sb.down()
+        close_masters(runtime)
         shutil.rmtree(runs, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
         for d in set(jobs.glob("*")) - before:
             shutil.rmtree(d, ignore_errors=True)  # this benchmark's jobs' directories
 
