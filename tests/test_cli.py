@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -239,8 +240,12 @@ def _short_flags() -> dict[str, dict[str, str]]:
 
 def test_a_short_flag_means_one_thing_in_every_command() -> None:
     # -n was --nproc-per-node in run and bench, --dry-run in sync, --limit in runs.
-    for short, meanings in _short_flags().items():
-        assert len(set(meanings.values())) == 1, (short, meanings)
+    # One exception, each side the habit of its own tools: `exec -f` is pdsh's
+    # fan-out, `logs -f` is tail's, journalctl's and kubectl's follow.
+    flags = _short_flags()
+    assert flags["-f"] == {"exec": "--fanout", "logs": "--follow"}
+    for short, meanings in flags.items():
+        assert short == "-f" or len(set(meanings.values())) == 1, (short, meanings)
     from corral.interop.export import FORMATS
 
     assert _short_flags()["-n"] == {"run": "--nproc-per-node", "bench": "--nproc-per-node",
@@ -318,6 +323,7 @@ _JSON_RUNS: dict[str, list[str]] = {
     "corral sandbox down": ["sandbox", "down", "--json", "--name", "ghost", "--state-dir", "st"],
     "corral sandbox list": ["sandbox", "list", "--json"],
     "corral check": ["check", "--json", "job.sbatch"],
+    "corral ps": ["ps", "--json"],
     **{f"corral export {f}": ["export", f, "--json", "-H", "localhost:2", "t.py"]
        for f in ("accelerate", "deepspeed", "torchrun", "mpi")},
     **{f"corral export {f}": ["export", f, "--json", "-H", "localhost:2"] for f in ("pdsh", "ssh-config")},
@@ -352,12 +358,12 @@ def test_every_json_document_carries_its_schema_version(tmp_path: Path, monkeypa
 def test_json_goes_out_through_one_helper_and_is_documented() -> None:
     """No command prints JSON of its own (it would lack the schema field), and
     docs/json.md has a section for every document."""
-    import re
 
     from corral.cli.common import JSON_SCHEMAS
 
     cli_dir = Path(__file__).resolve().parents[1] / "src" / "corral" / "cli"
-    own = [p.name for p in cli_dir.glob("*.py") if p.name != "common.py" and "json.dumps" in p.read_text()]
+    own = [p.name for p in cli_dir.glob("*.py")
+           if p.name != "common.py" and re.search(r"(echo|print)\(\s*json\.dumps", p.read_text())]
     assert own == [], f"print --json documents with common.emit_json: {own}"
     doc = (Path(__file__).resolve().parents[1] / "docs" / "json.md").read_text()
     for name, version in JSON_SCHEMAS.items():

@@ -139,6 +139,7 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
              "more": (_bool, False)},
     "status": {"r": (_opt_rank, True), "s": (_one_of(*STREAMS), False), "t": (_text(MAX_LINE), True)},
     "started": {"pid": (_int, True)},
+    "rank_start": {"r": (_rank, True)},
     "rank_exit": {"r": (_rank, True), "code": (_opt_int, False), "sig": (_opt_int, False),
                   "exc": (_opt_text(MAX_TEXT), False)},
     "exit": {"code": (_opt_int, False), "sig": (_opt_int, False), "error": (_opt_text(MAX_TEXT), False)},

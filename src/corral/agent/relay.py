@@ -356,6 +356,8 @@ class RankTailer(threading.Thread):
             why = self._pid_doubt(rank, pid)
             if why is None:
                 self.pids[rank] = pid
+                # the hook wrote it before any user code: the rank is starting it now
+                self.chan.send(ev="rank_start", r=rank)
             elif pid > 0 and not os.path.exists("/proc/%d" % pid):
                 # Exited (and reaped) before the agent looked: nothing left to
                 # verify it by; its launcher's report names it.

@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "runs": ("corral.cli.runs", "runs", "List past runs and where their logs are."),
     "export": ("corral.cli.export", "export",
                "Write the cluster as accelerate, DeepSpeed, torchrun, mpirun, pdsh or ssh files."),
+    "attach": ("corral.cli.attach", "attach", "Follow a detached job's live output (Ctrl-C detaches)."),
+    "logs": ("corral.cli.logs", "logs", "Read a detached job's per-rank logs from its nodes (--follow, --sync)."),
+    "stop": ("corral.cli.stop", "stop", "Stop a detached job, as Ctrl-C stops an attended one."),
+    "ps": ("corral.cli.ps", "ps", "List the detached jobs on a cluster's nodes."),
     "sandbox": ("corral.cli.sandbox", "sandbox", "A simulated multi-node cluster on this machine."),
 }
 

@@ -129,6 +129,8 @@ JSON_SCHEMAS: dict[str, int] = {
     "sandbox.list": 1,
     "export": 1,
     "check": 1,
+    "run.detached": 1,
+    "ps": 1,
 }
 
 

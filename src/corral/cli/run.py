@@ -102,6 +102,10 @@ from corral.run.scriptcheck import (
 @click.option("--sync", "sync_first", is_flag=True,
               help="Sync the project to every node first, verified (as `corral sync`; docs/sync.md).")
 @click.option("--dry-run", is_flag=True, help="Print every node's command and environment; start nothing.")
+@click.option("--detach", is_flag=True,
+              help="Hand the job to a supervisor on the first node (this machine for the default cluster) and "
+                   "return once every rank is in user code; the job outlives this terminal. Follow it with "
+                   "`corral attach RUN`, `corral logs RUN --follow`, `corral stop RUN`, `corral ps`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (or, with --dry-run, the plan) as JSON.")
 @click.argument("program")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
@@ -125,6 +129,7 @@ def run(
     runs_dir: Path | None,
     sync_first: bool,
     dry_run: bool,
+    detach: bool,
     as_json: bool,
     program: str,
     args: tuple[str, ...],
@@ -205,6 +210,11 @@ def run(
         **({} if grace is None else {"grace": grace, "interrupt_grace": grace}),
         shown_ranks=None if status_ranks is None else frozenset(status_ranks),
     )
+    if detach:
+        from corral.cli.detached import run_detached
+
+        run_detached(cluster, spec, options, as_json=as_json)
+        return
     # --json: stdout is the result object alone; the ranks' output goes to stderr
     view = RunConsole(multi_host=len(cluster.hosts) > 1, status_ranks=status_ranks,
                       out=sys.stderr if as_json else None)

@@ -27,6 +27,9 @@ from corral.run.history import default_root, list_runs
 def runs(runs_dir: Path | None, limit: int, as_json: bool) -> None:
     """List the newest runs: status, launcher, ranks, duration, first failure."""
     root = runs_dir or default_root(Path.cwd()).path
+    from corral.run.detach import refresh_stubs
+
+    refresh_stubs(root)  # detached runs last seen running: asked on their node 0
     records = list_runs(root)[:limit]
     if as_json:
         emit_json("runs", {"runs": [{"run_id": r.run_id, "dir": str(r.dir), **r.data, "status": r.status}

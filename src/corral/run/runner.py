@@ -234,7 +234,7 @@ class Runner:
     async def run(self) -> RunResult:
         self._wake = asyncio.Event()
         installed = self._install_signals()
-        self.control = control_path(self.spec.run_id)
+        self.control = self._control_path()
         server = await serve(self.control, self._control_request)
         try:
             return await self._run()
@@ -246,6 +246,10 @@ class Runner:
                 loop.remove_signal_handler(sig)
             if self.logs is not None:
                 self.logs.close()
+
+    def _control_path(self) -> Path:
+        """Where `corral stacks` reaches this run (a detached run's supervisor keeps it in its job directory)."""
+        return control_path(self.spec.run_id)
 
     async def _control_request(self, request: str) -> dict:
         """`corral stacks RUN` from another process."""
