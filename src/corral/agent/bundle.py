@@ -23,6 +23,7 @@ NODE_MODULES = {
     "corral_agent_jobenv": "jobenv.py",
     "corral_agent_private": "private.py",
     "corral_agent_jobdir": "jobdir.py",
+    "corral_agent_holds": "holds.py",
     "corral_agent_prewarm": "prewarm.py",
     "corral_agent_node": "node.py",
 }

@@ -35,6 +35,7 @@ import threading
 import time
 
 try:  # on a node, modules are installed under their wire names
+    from corral_agent_holds import release as release_holding
     from corral_agent_jobdir import JobDir
     from corral_agent_jobenv import activate_python, elastic_log_dir, job_environment
     from corral_agent_prescan import env_mismatch
@@ -49,6 +50,7 @@ try:  # on a node, modules are installed under their wire names
     )
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
 except ImportError:  # imported as part of the corral package (tests, head)
+    from corral.agent.holds import release as release_holding
     from corral.agent.jobdir import JobDir
     from corral.agent.jobenv import activate_python, elastic_log_dir, job_environment
     from corral.agent.prescan import env_mismatch
@@ -411,6 +413,7 @@ class Agent:
             kill_tree(2.0, set())
         reap_orphans(set())
         self.job_dir.remove()
+        release_holding()  # the job's GPUs and port are free once nothing of it runs
         self.done.set()
 
     def serve(self) -> int:
