@@ -247,7 +247,13 @@ def release() -> None:
     mine, _MINE = _MINE, None
     if mine is None:
         return
-    fd, path, name = mine
+    try:
+        _release(*mine)
+    except Exception:  # never in the way of the agent's teardown: the lock goes with the process
+        pass
+
+
+def _release(fd: int, path: str, name: str) -> None:
     try:
         dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
