@@ -68,7 +68,8 @@ def hold_problems(name: str, answer: object, spec: RunSpec, host: Host) -> list[
                           hint="pick GPUs that exist on every node (`corral doctor` lists them); nothing was started",
                           kind="no-gpu")]
     problems = []
-    holders = [c for c in (clean_holding(h) for h in (answer.get("held_by") or [])[:16]) if c]
+    held_by = answer.get("held_by") if isinstance(answer.get("held_by"), list) else []
+    holders = [c for c in (clean_holding(h) for h in held_by[:16]) if c]
     for h in holders:
         mine = set(_entries(answer.get("gpus")))
         both = [g for g in h["gpus"] if g in mine] or h["gpus"]
