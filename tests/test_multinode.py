@@ -815,7 +815,8 @@ def test_two_jobs_on_gpu_subsets_of_the_same_nodes_and_ctrl_c_of_one(sandbox, wo
     # Two jobs on the same 4 nodes, GPUs 0,1 and 2,3 (CPU nodes: the subset is
     # CUDA_VISIBLE_DEVICES, two processes per node each).  A third asking for
     # GPU 1-2 is refused before it starts, naming the holder; Ctrl-C of one
-    # job leaves the other running on every node, to its end.
+    # job, then the failure of another on its GPUs, leave the first running
+    # on every node, to its end.
     for name in ("a.py", "b.py"):
         write(workdir / name, SHARED_LOOP)
     a = start(sandbox, ["--gpus", "0,1", "a.py"], workdir)
@@ -837,6 +838,22 @@ def test_two_jobs_on_gpu_subsets_of_the_same_nodes_and_ctrl_c_of_one(sandbox, wo
         while any(_job_procs(sandbox, "b.py").values()) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not any(_job_procs(sandbox, "b.py").values()), "job b left processes"
+        alive = _job_procs(sandbox, "a.py")
+        assert all(n >= 2 for n in alive.values()), f"job a lost processes: {alive}"
+        assert a.poll() is None
+
+        # b's GPUs are free again; a job there whose rank fails is torn down on every node, a is not
+        write(workdir / "c.py", """
+            import os, torch.distributed as dist
+            dist.init_process_group("gloo")
+            dist.barrier()
+            if dist.get_rank() == 5:
+                raise SystemExit("c fails")
+            dist.barrier()
+        """)
+        c = corral(sandbox, ["--gpus", "2,3", "c.py"], workdir, timeout=120)
+        assert c.returncode == 1 and "rank 5" in c.stderr, c.stderr[-3000:]
+        assert not any(_job_procs(sandbox, "c.py").values()), "job c left processes"
         alive = _job_procs(sandbox, "a.py")
         assert all(n >= 2 for n in alive.values()), f"job a lost processes: {alive}"
         assert a.poll() is None
