@@ -203,6 +203,8 @@ def claim(run_id, head="", gpus=(), port=None, want_port=False, base=None) -> di
     until ``release`` or this process's end.  ``want_port``: pick one.
     """
     global _MINE
+    if not _TEXT.fullmatch(run_id) or run_id.startswith("."):
+        raise ValueError("run id %r is not a name corral makes" % run_id[:80])
     if fcntl is None:
         return {"unsupported": True, "port": pick_port(set()) if want_port else port}
     if _MINE is not None:
