@@ -668,9 +668,10 @@ def test_a_bashrc_that_execs_another_shell_is_named_at_once(sandbox, workdir: Pa
 
 def test_a_job_dir_another_user_made_on_a_node_is_refused_there(sandbox, workdir: Path) -> None:
     """On one node, user nobody made /tmp/corral-<uid> first (mode 0777): the
-    job's directory, whose hook every rank imports, would have been in it.
-    That node refuses, named, runs nothing, and leaves nobody's directory as
-    it was; the run fails."""
+    job's directory, whose hook every rank imports, would have been in it,
+    and the registry of what the node's jobs hold.  That node refuses at
+    preflight, named, nothing runs anywhere, and nobody's directory is left
+    as it was; the run fails."""
     node = sandbox.nodes[1]
     uid = sandbox.exec(node, ["id", "-u"], check=True).stdout.strip()
     theirs = f"/tmp/corral-{uid}"
@@ -682,7 +683,7 @@ def test_a_job_dir_another_user_made_on_a_node_is_refused_there(sandbox, workdir
         """)
         res = corral(sandbox, ["--launcher", "command", "python", "mark.py"], workdir)
         assert res.returncode != 0, res.stderr[-3000:]
-        said = f"{node} could not start: the job's directory: {theirs} is not safe to use: it belongs to nobody"
+        said = f"{node}: the registry of the jobs' GPUs and ports: {theirs} is not safe to use: it belongs to nobody"
         assert said in res.stderr, res.stderr[-3000:]
         assert not (workdir / f"ran-{node}").exists()
         st = sandbox.exec(node, ["stat", "-c", "%U %a", theirs], check=True).stdout.split()

@@ -394,7 +394,8 @@ def hold_for_job(hold, table, visible, want_port) -> dict:
         got = claim(str(hold["run_id"]), head=str(hold.get("head") or ""), gpus=entries,
                     port=hold.get("port"), want_port=want_port)
     except Exception as e:  # an unsafe registry dir (UnsafePlace), no space: named by the head
-        return {"error": "%s: %s" % (type(e).__name__, e)}
+        unsafe = type(e).__name__ == "UnsafePlace"
+        return {"error": str(e) if unsafe else "%s: %s" % (type(e).__name__, e), "unsafe": unsafe}
     got["gpus"] = entries
     if "held_by" not in got and "port_held_by" not in got and entries and table:
         got["busy"] = busy_gpus(entries, table, mine=[h["pid"] for h in holdings() if h["pid"]])

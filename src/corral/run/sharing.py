@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Mapping
 
+from corral.agent import private
 from corral.agent.holds import clean_holding
 from corral.errors import HostError
 from corral.model import Host
@@ -53,10 +54,13 @@ def hold_problems(name: str, answer: object, spec: RunSpec, host: Host) -> list[
     if not isinstance(answer, dict):
         return []
     subset = gpus_for(spec, host)
+    if answer.get("error") and answer.get("unsafe"):
+        return [HostError(name, f"the registry of the jobs' GPUs and ports: {str(answer['error'])[:300]}; "
+                                "nothing was started", hint=private.HINT, kind="unsafe-tmp")]
     if answer.get("error"):
         return [HostError(name, f"cannot record the job's GPUs and port there: {str(answer['error'])[:300]}",
-                          hint="see docs/security.md (\"Several jobs on one node\"); set TMPDIR for this host "
-                               "with `env` in the cluster file if its temp dir is not usable", kind="holds")]
+                          hint="free space in its temp dir, or set TMPDIR for this host with `env` in the "
+                               "cluster file; see docs/security.md (\"Several jobs on one node\")", kind="holds")]
     if "missing" in answer:
         missing = [g for g in answer["missing"] if isinstance(g, int)][:64] if isinstance(answer["missing"], list) else []
         listed = answer.get("listed") if isinstance(answer.get("listed"), int) else None
