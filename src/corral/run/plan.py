@@ -246,7 +246,8 @@ def gpus_for(spec: RunSpec, host: Host) -> tuple[int, ...] | None:
 
 
 def nproc_for(spec: RunSpec, host: Host, facts: NodeFacts, lightning: LightningShape | None = None) -> int:
-    """Processes on a node: --nproc-per-node, else slots, else GPUs, else 1.
+    """Processes on a node: --nproc-per-node, else the GPU subset's size
+    (--gpus, the host's ``gpus``), else slots, else GPUs, else 1.
 
     With Lightning, the script's ``Trainer(devices=...)`` starts the
     processes, whatever the host's slots: its count when the script says it

@@ -23,11 +23,10 @@ from collections.abc import Callable, Mapping
 from corral.agent.probes import advertises_loopback
 from corral.agent.session import AgentPool, AgentSession
 from corral.errors import HostError, PreflightError
-from corral.model import Cluster, Host
+from corral.model import Cluster, Host, format_gpus
 from corral.run.launchers import REQUIRES
-from corral.model import format_gpus
 from corral.run.plan import NodeFacts, RunSpec, gpus_for
-from corral.run.sharing import busy_warning, hold_problems, hold_args, held_gpus, unchecked_warning
+from corral.run.sharing import busy_warning, hold_args, hold_problems, held_gpus, unchecked_warning
 
 log = logging.getLogger(__name__)
 
