@@ -718,3 +718,17 @@ def test_a_found_corral_toml_that_is_not_a_file_is_named_not_skipped(tmp_path: P
     (tmp_path / "corral.toml").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(InventoryError, match="is a directory, not a file"):
         _load(tmp_path)
+
+
+def test_a_hosts_gpus_in_the_cluster_file(tmp_path: Path) -> None:
+    path = tmp_path / "corral.toml"
+    path.write_text('[[hosts]]\nname = "gpu[1-2]"\ngpus = "0-3"\n\n[[hosts]]\nname = "gpu3"\ngpus = "4, 6"\n'
+                    '\n[[hosts]]\nname = "gpu4"\n')
+    assert [h.gpus for h in read_corral_toml(path).hosts] == [(0, 1, 2, 3), (0, 1, 2, 3), (4, 6), None]
+    for bad, words in (("3-1", "counts down"), ("0,0", "GPU 0 is listed twice"), ("a", "not a GPU index"),
+                       ("0-99999", "past the largest index")):
+        path.write_text(f'[[hosts]]\nname = "gpu1"\n\n[[hosts]]\nname = "gpu2"\ngpus = "{bad}"\n')
+        with pytest.raises(InventoryError) as info:
+            read_corral_toml(path, label="corral.toml")
+        assert info.value.message.startswith(f"corral.toml:6: gpus '{bad}': "), info.value.message
+        assert words in info.value.message

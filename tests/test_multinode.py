@@ -729,9 +729,10 @@ def test_a_bashrc_that_execs_another_shell_is_named_at_once(sandbox, workdir: Pa
 
 def test_a_job_dir_another_user_made_on_a_node_is_refused_there(sandbox, workdir: Path) -> None:
     """On one node, user nobody made /tmp/corral-<uid> first (mode 0777): the
-    job's directory, whose hook every rank imports, would have been in it.
-    That node refuses, named, runs nothing, and leaves nobody's directory as
-    it was; the run fails."""
+    job's directory, whose hook every rank imports, would have been in it,
+    and the registry of what the node's jobs hold.  That node refuses at
+    preflight, named, nothing runs anywhere, and nobody's directory is left
+    as it was; the run fails."""
     node = sandbox.nodes[1]
     uid = sandbox.exec(node, ["id", "-u"], check=True).stdout.strip()
     theirs = f"/tmp/corral-{uid}"
@@ -743,7 +744,7 @@ def test_a_job_dir_another_user_made_on_a_node_is_refused_there(sandbox, workdir
         """)
         res = corral(sandbox, ["--launcher", "command", "python", "mark.py"], workdir)
         assert res.returncode != 0, res.stderr[-3000:]
-        said = f"{node} could not start: the job's directory: {theirs} is not safe to use: it belongs to nobody"
+        said = f"{node}: the registry of the jobs' GPUs and ports: {theirs} is not safe to use: it belongs to nobody"
         assert said in res.stderr, res.stderr[-3000:]
         assert not (workdir / f"ran-{node}").exists()
         st = sandbox.exec(node, ["stat", "-c", "%U %a", theirs], check=True).stdout.split()
@@ -800,3 +801,131 @@ def test_nodes_behind_a_jump_host(sandbox, tmp_path: Path) -> None:
             sandbox.exec(node, ["ip", "route", "del", "blackhole", f"{sandbox.head_address}/32"])
         shutil.rmtree(env["TMPDIR"], ignore_errors=True)
     assert_clean(sandbox, within=5)
+
+
+# ---------------------------------------------------------------------------
+# several jobs on the same nodes
+
+
+def test_two_jobs_started_together_get_different_ports(sandbox, workdir: Path) -> None:
+    # corral used to take the kernel's free port on node 0 and let it go:
+    # jobs starting at the same moment (or while another's launcher has not
+    # bound its port yet) were given the same one (here the kernel hands out
+    # 40001 whenever it is free), and the second torchrun could not bind it
+    # (or joined the first job's rendezvous).  Now node 0's registry holds
+    # each job's port until the job ends: two jobs started together, and a
+    # third started while they wait, all get ports of their own.
+    node0 = sandbox.nodes[0]
+    before = sandbox.exec(node0, ["cat", "/proc/sys/net/ipv4/ip_local_port_range"], check=True).stdout.split()
+    write(workdir / "bind.py", """
+        import os, socket, sys, time
+        print("waiting", flush=True)
+        while not os.path.exists("go"):  # as torchrun, which binds its port seconds after corral chose it
+            time.sleep(0.1)
+        if os.environ["NODE_RANK"] == "0":
+            s = socket.socket()
+            s.bind(("", int(os.environ["MASTER_PORT"])))
+            s.listen()
+            print("bound", os.environ["MASTER_PORT"], flush=True)
+            time.sleep(1)
+    """)
+    sandbox.exec(node0, ["sysctl", "-qw", "net.ipv4.ip_local_port_range=40000 40002"], check=True)
+    jobs: list[subprocess.Popen] = []
+    try:
+        jobs = [start(sandbox, ["--launcher", "command", sys.executable, "bind.py"], workdir) for _ in range(2)]
+        for job in jobs:
+            wait_for_lines(job, r"\] waiting", len(sandbox.nodes), timeout=60)
+        jobs.append(start(sandbox, ["--launcher", "command", sys.executable, "bind.py"], workdir))
+        wait_for_lines(jobs[-1], r"\] waiting", len(sandbox.nodes), timeout=60)
+        (workdir / "go").touch()
+        for job in jobs:
+            job.wait(timeout=60)
+    finally:
+        sandbox.exec(node0, ["sysctl", "-qw", f"net.ipv4.ip_local_port_range={' '.join(before)}"], check=True)
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+    for job in jobs:
+        assert job.returncode == 0, job.stderr.read()[-3000:]
+    ports = [[m for ln in job._lines for m in re.findall(r"bound (\d+)", ln)] for job in jobs]  # type: ignore[attr-defined]
+    assert all(len(p) == 1 for p in ports), ports
+    assert len({p[0] for p in ports}) == 3, ports
+    assert_clean(sandbox, within=10)
+
+
+SHARED_LOOP = """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    print("ready", dist.get_rank(), os.environ["CUDA_VISIBLE_DEVICES"], flush=True)
+    while True:  # until the test says so, decided by rank 0 for every rank
+        t = torch.tensor([1.0 if dist.get_rank() == 0 and os.path.exists("release") else 0.0])
+        dist.all_reduce(t)
+        if t.item():
+            break
+        time.sleep(0.2)
+    print("finished", dist.get_rank(), flush=True)
+"""
+
+
+def _job_procs(sandbox, script: str) -> dict[str, int]:
+    """Processes on each node whose command line names ``script``."""
+    return {n: sum(script in line for line in leftovers(sandbox, n)) for n in sandbox.nodes}
+
+
+def test_two_jobs_on_gpu_subsets_of_the_same_nodes_and_ctrl_c_of_one(sandbox, workdir: Path) -> None:
+    # Two jobs on the same 4 nodes, GPUs 0,1 and 2,3 (CPU nodes: the subset is
+    # CUDA_VISIBLE_DEVICES, two processes per node each).  A third asking for
+    # GPU 1-2 is refused before it starts, naming the holder; Ctrl-C of one
+    # job, then the failure of another on its GPUs, leave the first running
+    # on every node, to its end.
+    for name in ("a.py", "b.py"):
+        write(workdir / name, SHARED_LOOP)
+    a = start(sandbox, ["--gpus", "0,1", "a.py"], workdir)
+    b = start(sandbox, ["--gpus", "2-3", "b.py"], workdir)
+    try:
+        ready_a = wait_for_lines(a, r"\] ready \d", 8, timeout=180)
+        ready_b = wait_for_lines(b, r"\] ready \d", 8, timeout=180)
+        assert all(line.rstrip().endswith(" 0,1") for line in ready_a), ready_a
+        assert all(line.rstrip().endswith(" 2,3") for line in ready_b), ready_b
+        c = corral(sandbox, ["--gpus", "1-2", "a.py"], workdir, timeout=60)
+        assert c.returncode == 3, c.stderr[-2000:]
+        assert re.search(r"GPU [12] is held by corral run \d{8}-\d{6}-[0-9a-f]{6} of root since", c.stderr), c.stderr
+        assert "nothing was started" in c.stderr
+
+        b.send_signal(signal.SIGINT)
+        b.wait(timeout=30)
+        assert b.returncode == 130
+        deadline = time.monotonic() + 10
+        while any(_job_procs(sandbox, "b.py").values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(_job_procs(sandbox, "b.py").values()), "job b left processes"
+        alive = _job_procs(sandbox, "a.py")
+        assert all(n >= 2 for n in alive.values()), f"job a lost processes: {alive}"
+        assert a.poll() is None
+
+        # b's GPUs are free again; a job there whose rank fails is torn down on every node, a is not
+        write(workdir / "c.py", """
+            import os, torch.distributed as dist
+            dist.init_process_group("gloo")
+            dist.barrier()
+            if dist.get_rank() == 5:
+                raise SystemExit("c fails")
+            dist.barrier()
+        """)
+        c = corral(sandbox, ["--gpus", "2,3", "c.py"], workdir, timeout=120)
+        assert c.returncode == 1 and "rank 5" in c.stderr, c.stderr[-3000:]
+        assert not any(_job_procs(sandbox, "c.py").values()), "job c left processes"
+        alive = _job_procs(sandbox, "a.py")
+        assert all(n >= 2 for n in alive.values()), f"job a lost processes: {alive}"
+        assert a.poll() is None
+
+        (workdir / "release").touch()
+        a.wait(timeout=60)
+        assert a.returncode == 0, a.stderr.read()[-3000:]
+        assert sum("finished" in line for line in a._lines) == 8  # type: ignore[attr-defined]
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+    assert_clean(sandbox, within=10)

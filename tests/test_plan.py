@@ -307,3 +307,23 @@ def test_torchrun_sets_omp_threads_only_where_the_job_does_not() -> None:
     # accelerate starts its processes through torchrun's code: the same default
     acc = plan(RunSpec(program="train.py", run_id="r", launcher="accelerate"))
     assert all(n.env["OMP_NUM_THREADS"] == "1" for n in acc.nodes)
+
+
+def test_gpus_run_one_process_per_gpu_of_the_subset_whatever_the_slots() -> None:
+    p = plan(RunSpec(program="train.py", run_id="r", gpus=(4, 5)), cluster(slots=8))
+    assert [n.nproc for n in p.nodes] == [2, 2] and p.world_size == 4
+    assert {n.env["CUDA_VISIBLE_DEVICES"] for n in p.nodes} == {"4,5"}
+    assert {n.env["CUDA_DEVICE_ORDER"] for n in p.nodes} == {"PCI_BUS_ID"}  # nvidia-smi's numbering
+    assert "--nproc-per-node=2" in p.nodes[0].argv
+    # per host, from the cluster file; --gpus wins over it
+    c = Cluster(hosts=(Host(name="a", gpus=(0, 1, 2, 3)), Host(name="b", gpus=(4, 5, 6, 7))))
+    p = plan(RunSpec(program="train.py", run_id="r"), c)
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in p.nodes] == ["0,1,2,3", "4,5,6,7"]
+    assert [n.nproc for n in p.nodes] == [4, 4]
+    p = plan(RunSpec(program="train.py", run_id="r", gpus=(7,)), c)
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in p.nodes] == ["7", "7"]
+
+
+def test_gpus_and_a_cuda_visible_devices_of_the_jobs_own_are_refused() -> None:
+    with pytest.raises(UsageError, match="--gpus and --env CUDA_VISIBLE_DEVICES"):
+        RunSpec(program="train.py", gpus=(0,), env={"CUDA_VISIBLE_DEVICES": "1"})

@@ -854,3 +854,36 @@ def test_processes_per_node_follow_the_jobs_cuda_visible_devices(tmp_path: Path)
                  tmp_path, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.findall(r"seen \d+ .*", res.stdout) == ["seen 2 '0,1'"] * 2
+
+
+def test_gpus_picks_a_subset_names_a_gpu_the_node_lacks_and_warns_of_busy_ones(tmp_path: Path) -> None:
+    # A node with 4 GPUs (nvidia-smi's list) where something corral did not
+    # start computes on GPU 1: --gpus 1,3 runs 2 ranks on those two, says GPU
+    # 1 is busy, and run.json records what the job held; --gpus 3-5 is an
+    # error naming the GPUs that are not there, before anything starts.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stranger = subprocess.Popen(["sleep", "120"])
+    write(bin_dir / "nvidia-smi", "#!/bin/sh\ncase \"$1\" in\n  -L)\n" + "".join(
+        f"    echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(4))
+        + f"    ;;\n  --query-compute-apps*) echo 'GPU-1, {stranger.pid}, /usr/bin/python3, 30000' ;;\nesac\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    write(tmp_path / "who.py", "import os\nprint('seen', os.environ['LOCAL_WORLD_SIZE'], "
+                               "os.environ['CUDA_VISIBLE_DEVICES'], flush=True)\n")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # this machine's own: all four
+    try:
+        res = corral(["run", "--fresh-ranks", "--gpus", "1,3", "who.py"], tmp_path, env=env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert re.findall(r"seen \d+ .*", res.stdout) == ["seen 2 1,3"] * 2
+        assert f"GPU 1: pid {stranger.pid} python3, 30000 MiB" in res.stderr, res.stderr
+        (record,) = (tmp_path / "runs").glob("*/run.json")
+        data = json.loads(record.read_text())
+        assert data["hosts"][0]["gpus"] == ["1", "3"] and data["ports"] == {"master": data["master_port"]}
+        res = corral(["run", "--fresh-ranks", "--gpus", "3-5", "who.py"], tmp_path, env=env)
+        assert res.returncode == 3 and "seen" not in res.stdout
+        assert re.search(r": has no GPU 4,5 \(--gpus asks for 3,4,5; nvidia-smi there lists GPUs 0-3\)", res.stderr), \
+            res.stderr
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -17,6 +17,37 @@ from corral.names import is_address, is_user_name
 DEFAULT_PYTHON = "python3"
 
 
+#: GPU indices go up to this (a bound on what a list like ``0-99999999`` expands to).
+MAX_GPUS = 1024
+
+
+def parse_gpus(text: str) -> tuple[int, ...]:
+    """``"0-3"``, ``"4,5"``, ``"0-1,6"``: GPU indices as nvidia-smi numbers
+    them, in the order given (CUDA_VISIBLE_DEVICES's order: local rank i runs
+    on the i-th).  ``ValueError`` says what is wrong with the text."""
+    out: list[int] = []
+    for item in str(text).split(","):
+        item = item.strip()
+        low, dash, high = item.partition("-")
+        if not low.strip().isdigit() or (dash and not high.strip().isdigit()):
+            raise ValueError(f"{item!r} is not a GPU index or a range like 0-3")
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise ValueError(f"{item!r} counts down (write {last}-{first})")
+        if last >= MAX_GPUS:
+            raise ValueError(f"GPU {last} is past the largest index corral accepts ({MAX_GPUS - 1})")
+        for g in range(first, last + 1):
+            if g in out:
+                raise ValueError(f"GPU {g} is listed twice")
+            out.append(g)
+    return tuple(out)
+
+
+def format_gpus(gpus: tuple[int, ...]) -> str:
+    """The CUDA_VISIBLE_DEVICES value for ``gpus``: ``0,1,2,3``."""
+    return ",".join(str(g) for g in gpus)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Host:
     """One machine of a cluster.
@@ -49,6 +80,9 @@ class Host:
     local: bool = False
     #: Extra ``ssh -o`` options for this host only, as ``Key=Value`` strings.
     ssh_options: tuple[str, ...] = ()
+    #: The GPUs (nvidia-smi indices) jobs use on this host (``gpus = "0-3"``);
+    #: ``None`` means all of them.
+    gpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # The readers raise InventoryError with file and line first; this
@@ -69,6 +103,9 @@ class Host:
             return f"port {self.port!r} is not between 1 and 65535"
         if self.slots is not None and not (isinstance(self.slots, int) and self.slots > 0):
             return f"slots {self.slots!r} is not a positive integer"
+        if self.gpus is not None and (not self.gpus or len(set(self.gpus)) != len(self.gpus)
+                                      or not all(isinstance(g, int) and 0 <= g < MAX_GPUS for g in self.gpus)):
+            return f"gpus {self.gpus!r} is not a list of distinct GPU indices"
         return None
 
     @property

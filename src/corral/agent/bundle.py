@@ -25,6 +25,7 @@ NODE_MODULES = {
     "corral_agent_private": "private.py",
     "corral_agent_jobdir": "jobdir.py",
     "corral_agent_flightrec": "flightrec.py",
+    "corral_agent_holds": "holds.py",
     "corral_agent_prewarm": "prewarm.py",
     "corral_agent_node": "node.py",
 }

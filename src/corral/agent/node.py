@@ -38,11 +38,12 @@ try:  # on a node, modules are installed under their wire names
     from corral_agent_flightrec import job_env as flightrec_env
     from corral_agent_flightrec import request as flightrec_request
     from corral_agent_flightrec import send_dumps as flightrec_send
+    from corral_agent_holds import release as release_holding
     from corral_agent_jobdir import JobDir
     from corral_agent_jobenv import activate_python, elastic_log_dir, fill_env_refs, job_environment
     from corral_agent_prescan import env_mismatch
-    from corral_agent_private import UnsafePlace
     from corral_agent_prewarm import PREWARM_FIXED, PREWARM_SENSITIVE, prewarm_program
+    from corral_agent_private import UnsafePlace
     from corral_agent_proctree import (
         become_subreaper,
         kill_tree,
@@ -55,11 +56,12 @@ except ImportError:  # imported as part of the corral package (tests, head)
     from corral.agent.flightrec import job_env as flightrec_env
     from corral.agent.flightrec import request as flightrec_request
     from corral.agent.flightrec import send_dumps as flightrec_send
+    from corral.agent.holds import release as release_holding
     from corral.agent.jobdir import JobDir
     from corral.agent.jobenv import activate_python, elastic_log_dir, fill_env_refs, job_environment
     from corral.agent.prescan import env_mismatch
-    from corral.agent.private import UnsafePlace
     from corral.agent.prewarm import PREWARM_FIXED, PREWARM_SENSITIVE, prewarm_program
+    from corral.agent.private import UnsafePlace
     from corral.agent.proctree import (
         become_subreaper,
         kill_tree,
@@ -426,6 +428,7 @@ class Agent:
             kill_tree(2.0, set())
         reap_orphans(set())
         self.job_dir.remove()
+        release_holding()  # the job's GPUs and port are free once nothing of it runs
         self.done.set()
 
     def serve(self) -> int:

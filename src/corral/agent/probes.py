@@ -52,10 +52,9 @@ def routable_addresses() -> list:
     return [i for i in interfaces() if not i["name"].startswith(_NOT_BETWEEN_NODES)]
 
 
-def gpu_count(visible=None):
-    """GPUs a job here sees: nvidia-smi's list cut by CUDA_VISIBLE_DEVICES (the
-    job's own ``visible`` when it sets one, else this process's); None when
-    there is no nvidia-smi."""
+def gpu_table():
+    """``[(index, uuid), ...]`` of nvidia-smi's list (``nvidia-smi -L``); None
+    when there is no nvidia-smi (or it fails)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -65,8 +64,99 @@ def gpu_count(visible=None):
         return None
     if res.returncode != 0:
         return None
-    n = sum(1 for line in res.stdout.splitlines() if line.startswith("GPU "))
-    return visible_count(n, os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible)
+    table = []
+    for line in res.stdout.splitlines():
+        if line.startswith("GPU "):
+            uuid = line.rsplit("UUID: ", 1)[1].rstrip(")").strip() if "UUID: " in line else ""
+            table.append((str(len(table)), uuid))
+    return table
+
+
+def gpu_count(visible=None, table=False):
+    """GPUs a job here sees: nvidia-smi's list cut by CUDA_VISIBLE_DEVICES (the
+    job's own ``visible`` when it sets one, else this process's); None when
+    there is no nvidia-smi.  ``table``: ``gpu_table()``'s answer, when known."""
+    listed = gpu_table() if table is False else table
+    if listed is None:
+        return None
+    return visible_count(len(listed), os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible)
+
+
+def visible_entries(table, visible):
+    """The GPUs a job sees, as nvidia-smi indices (strings) where they can be
+    told, else as named (a UUID nvidia-smi does not list, or no nvidia-smi).
+    ``visible``: its CUDA_VISIBLE_DEVICES (None: unset, every listed GPU)."""
+    if visible is None:
+        return [i for i, _ in table or ()]
+    by_uuid = {u: i for i, u in table or () if u}
+    out = []
+    for entry in visible.split(","):
+        entry = entry.strip()
+        ok = entry.isdigit() and (table is None or int(entry) < len(table))
+        if not ok and not entry.startswith(("GPU-", "MIG-")):
+            break  # where CUDA stops reading the list
+        out.append(str(int(entry)) if entry.isdigit() else by_uuid.get(entry, entry))
+    return out
+
+
+def busy_gpus(entries, table, mine=()):
+    """Processes on the GPUs ``entries`` that no corral job of this user
+    started (``mine``: the live holders' agent pids): ``[{"gpu", "pid",
+    "name", "mib"}]``, from ``nvidia-smi --query-compute-apps``; [] where it
+    cannot say."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None or not entries or not table:
+        return []
+    try:
+        res = subprocess.run([exe, "--query-compute-apps=gpu_uuid,pid,process_name,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if res.returncode != 0:
+        return []
+    index = {u: i for i, u in table if u}
+    keep = set(entries)
+    parents = None
+    out = []
+    for line in res.stdout.splitlines()[:4096]:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4 or not parts[1].isdigit():
+            continue
+        gpu = index.get(parts[0])
+        if gpu is None or gpu not in keep:
+            continue
+        pid = int(parts[1])
+        if parents is None:
+            parents = _parents()
+        if _below(pid, set(mine) | {os.getpid()}, parents):
+            continue
+        mib = int(parts[3]) if parts[3].isdigit() else None
+        out.append({"gpu": gpu, "pid": pid, "name": os.path.basename(parts[2])[:60], "mib": mib})
+    return out
+
+
+def _parents():
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/stat" % name, "rb") as f:
+                    data = f.read()
+                out[int(name)] = int(data[data.rfind(b")") + 2:].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _below(pid, roots, parents):
+    """Whether ``pid`` is one of ``roots`` or descends from one."""
+    seen = 0
+    while pid > 1 and seen < 4096:
+        if pid in roots:
+            return True
+        pid = parents.get(pid, 0)
+        seen += 1
+    return False
 
 
 def visible_count(listed, visible):
@@ -250,13 +340,16 @@ def machine_identity():
 
 
 def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(), compare=None,
-              accelerate=False, cuda_visible_devices=None) -> dict:
+              accelerate=False, cuda_visible_devices=None, hold=None) -> dict:
     """Everything the head needs to plan a launch, in one round trip.
 
     ``compare`` is ``{path: [size, sha256]}`` of the head's copies of files in
     ``paths``; the ones whose copy here differs are listed in ``differs``.
     ``cuda_visible_devices`` is the job's own, when it sets one (cluster file,
-    --env): the GPUs counted are the ones its ranks will see."""
+    --env): the GPUs counted are the ones its ranks will see.  ``hold``
+    (``{"run_id", "head", "gpus", "port"}``): hold the job's GPUs (and, on
+    node 0, its port) in this node's registry, see ``hold_for_job``."""
+    table = gpu_table()
     result = {
         "hostname": socket.gethostname(),
         "hostname_addresses": _hostname_addresses_quickly(),
@@ -264,7 +357,7 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "addresses": routable_addresses(),
-        "gpus": gpu_count(cuda_visible_devices),
+        "gpus": gpu_count(cuda_visible_devices, table),
         "cpus": os.cpu_count(),
         "workdir": None,
         "missing": [],
@@ -291,9 +384,46 @@ def preflight(workdir=None, paths=(), modules=(), want_port=False, env_names=(),
             result["missing"].append(p)
         elif compare and p in compare and _differs(full, *compare[p]):
             result["differs"].append(p)
-    if want_port:
+    if hold is not None:
+        result["hold"] = hold_for_job(hold, table, cuda_visible_devices, want_port)
+        if want_port:
+            result["port"] = result["hold"].get("port")
+    elif want_port:
         result["port"] = free_port()
     return result
+
+
+def hold_for_job(hold, table, visible, want_port) -> dict:
+    """Hold the GPUs the job will use here, and its port on node 0 (see
+    ``corral_agent_holds``): ``hold["gpus"]`` (``--gpus``), else those its
+    CUDA_VISIBLE_DEVICES shows, else every GPU nvidia-smi lists.  Answers
+    ``missing`` (asked-for GPUs this node does not have), or ``holds.claim``'s
+    answer with the ``gpus`` held and ``busy`` (processes on them that no
+    corral job of this user started)."""
+    try:
+        from corral_agent_holds import claim, holdings
+    except ImportError:
+        from corral.agent.holds import claim, holdings
+    asked = hold.get("gpus")
+    if asked is not None:
+        missing = [g for g in asked if table is not None and int(g) >= len(table)]
+        if missing or table == []:
+            return {"missing": missing or list(asked), "listed": len(table)}
+        entries = [str(int(g)) for g in asked]
+    else:
+        if visible is None:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        entries = visible_entries(table, visible) if table is not None or visible is not None else []
+    try:
+        got = claim(str(hold["run_id"]), head=str(hold.get("head") or ""), gpus=entries,
+                    port=hold.get("port"), want_port=want_port)
+    except Exception as e:  # an unsafe registry dir (UnsafePlace), no space: named by the head
+        unsafe = type(e).__name__ == "UnsafePlace"
+        return {"error": str(e) if unsafe else "%s: %s" % (type(e).__name__, e), "unsafe": unsafe}
+    got["gpus"] = entries
+    if "held_by" not in got and "port_held_by" not in got and entries and table:
+        got["busy"] = busy_gpus(entries, table, mine=[h["pid"] for h in holdings() if h["pid"]])
+    return got
 
 
 def listen_start(addresses, port, seconds=10.0) -> dict:

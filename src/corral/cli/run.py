@@ -19,6 +19,7 @@ from corral.cli.common import ClusterOptions, cluster_options, emit_json
 from corral.diagnose.stacks import fold_ranks
 from corral.errors import UsageError
 from corral.hostrange import fold
+from corral.model import parse_gpus
 from corral.run.console import RunConsole, parse_ranks
 from corral.run.history import default_root, unwritable
 from corral.run.imports import apply_imports
@@ -29,6 +30,7 @@ from corral.run.plan import (
     RunSpec,
     build_plan,
     ds_config_notes,
+    gpus_for,
     is_secret_name,
     known_world_size,
     new_run_id,
@@ -64,7 +66,12 @@ from corral.run.scriptcheck import (
 @click.option("--workdir", default=None, metavar="DIR",
               help="Working directory on every node. Default: the cluster file's, else this directory's path.")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=None,
-              help="Rendezvous port on the first node. Default: a free port corral picks there.")
+              help="Rendezvous port on the first node. Default: a free port corral picks there, one no "
+                   "other corral job holds.")
+@click.option("--gpus", "gpus_spec", default=None, metavar="LIST",
+              help="Run on these GPUs of every node (nvidia-smi's numbers: '0-3', '4,5'), one process per "
+                   "GPU; default: the cluster file's `gpus` for the host, else all. GPUs another corral job "
+                   "holds are refused, naming it; see 'Sharing nodes between jobs' in docs/run.md.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Restart the whole job this many times after a failure (scripts resume from their checkpoints); "
                    "a restart that cannot reconnect counts, and is tried again after 2, 4, ... 30 s.")
@@ -117,6 +124,7 @@ def run(
     env_flags: tuple[str, ...],
     workdir: str | None,
     master_port: int | None,
+    gpus_spec: str | None,
     max_restarts: int,
     ranks_spec: str,
     node_timeout: float,
@@ -173,11 +181,15 @@ def run(
             hint=f"give an absolute path, e.g. --workdir {Path(workdir).absolute()}")
     refuse_owned_options(launcher, tuple(launcher_args))
     env = parse_env_flags(env_flags, os.environ)  # an unset --env NAME before any connection
+    try:
+        gpus = parse_gpus(gpus_spec) if gpus_spec is not None else None
+    except ValueError as e:
+        raise UsageError(f"--gpus {gpus_spec!r}: {e}", hint="use e.g. --gpus 0-3 or --gpus 4,5") from None
     spec = RunSpec(  # checks its flags (an --env corral sets itself) before anything is read or sent
         program=program, args=tuple(args), module=module, launcher=launcher,
         nproc_per_node=nproc_per_node, env=env,
         workdir=workdir, master_port=master_port, launcher_args=launcher_args,
-        preload=not fresh_ranks,
+        preload=not fresh_ranks, gpus=gpus,
     )
     if not dry_run:
         runs_dir = _writable_runs_dir(runs_dir)
@@ -404,7 +416,8 @@ def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
                       master_port=port or _PORT_STANDIN, head_env=os.environ, head_cwd=os.getcwd())
     if not port:
         plan = _port_unchosen(plan)
-    unknown_slots = spec.nproc_per_node is None and any(h.slots is None for h in cluster.hosts)
+    unknown_slots = spec.nproc_per_node is None and any(h.slots is None and gpus_for(spec, h) is None
+                                                          for h in cluster.hosts)
     if as_json:
         emit_json("run.plan", _plan_json(plan, unknown_slots, preload=spec.preload and spec.launcher in PREWARMED))
         return

@@ -40,7 +40,7 @@ from corral.inventory._common import (
     read_text,
 )
 from corral.inventory.hostfile import parse_hostfile
-from corral.model import DEFAULT_PYTHON, Cluster, Host
+from corral.model import DEFAULT_PYTHON, Cluster, Host, parse_gpus
 
 if TYPE_CHECKING:
     from corral.inventory.trust import Risk
@@ -52,7 +52,7 @@ CLUSTER_KEYS = {
 }
 HOST_KEYS = {
     "name": str, "address": str, "port": int, "user": str, "slots": int, "labels": list,
-    "python": str, "workdir": str, "ssh_options": list, "env": dict,
+    "python": str, "workdir": str, "ssh_options": list, "env": dict, "gpus": str,
 }
 TOP_KEYS = {"cluster": dict, "hosts": list}
 _TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table"}
@@ -288,7 +288,17 @@ class _TomlReader:
             env=self.env(entry, at),
             workdir=self.workdir(entry, at),
             ssh_options=self.ssh_options(entry, at),
-        )
+        ).with_(gpus=self.gpus(entry, at))
+
+    def gpus(self, entry: dict[str, Any], at: tuple) -> tuple[int, ...] | None:
+        """``gpus = "0-3"``: the host's GPUs jobs run on (--gpus overrides it)."""
+        if "gpus" not in entry:
+            return None
+        try:
+            return parse_gpus(entry["gpus"])
+        except ValueError as e:
+            raise self.fail(f"gpus {entry['gpus']!r}: {e}", *at, "gpus",
+                            hint='write GPU indices as nvidia-smi numbers them: gpus = "0-3" or "4,5"') from None
 
     def risks(self, cluster: Cluster, text: str) -> list[Risk]:
         """Lines that make this machine run something (see ``corral.inventory.trust``)."""

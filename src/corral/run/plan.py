@@ -32,7 +32,7 @@ from typing import Mapping
 from corral.errors import UsageError
 from corral.interop.dsconfig import check_run
 from corral.interop.dsenv import DsEnv, Part
-from corral.model import Cluster, Host
+from corral.model import Cluster, Host, format_gpus
 from corral.run.launchers import MULTI_PROCESS, PLANNERS, REQUIRES, NodeContext
 from corral.run.scriptcheck import LightningShape, script_lightning_shape
 
@@ -111,6 +111,9 @@ class RunSpec:
     #: DeepSpeed JSON configs named by another config (an accelerate config's
     #: ``deepspeed_config_file``), checked with those the arguments name.
     ds_configs: tuple[str, ...] = ()
+    #: ``--gpus 0-3``: the GPUs the job uses on every node (None: the cluster
+    #: file's ``gpus`` for the host, else all); one process per GPU.
+    gpus: tuple[int, ...] | None = None
     run_id: str = field(default_factory=new_run_id)
 
     def __post_init__(self) -> None:
@@ -127,6 +130,9 @@ class RunSpec:
                 f"--env {bad[0]} is set by corral for every node",
                 hint="use --master-port to choose the port; ranks and sizes follow the cluster",
             )
+        if self.gpus is not None and "CUDA_VISIBLE_DEVICES" in self.env:
+            raise UsageError("--gpus and --env CUDA_VISIBLE_DEVICES both say which GPUs the job uses",
+                             hint="give one of them (--gpus sets CUDA_VISIBLE_DEVICES on every node)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +148,9 @@ class NodeFacts:
     #: GLOO_SOCKET_IFNAME for a node whose host name resolves to loopback
     #: (unless the job sets one).
     gloo_ifname: str | None = None
+    #: The GPUs the job holds on this node (nvidia-smi indices, or as
+    #: CUDA_VISIBLE_DEVICES names them), from the node's registry.
+    held_gpus: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +170,8 @@ class NodePlan:
     #: Variables whose value names the node's own variables (``.deepspeed_env``'s
     #: ``LD_LIBRARY_PATH=/opt/x:$LD_LIBRARY_PATH``): the agent fills them in, in order.
     env_refs: tuple[tuple[str, tuple[Part, ...]], ...] = ()
+    #: GPUs the job holds there (``NodeFacts.held_gpus``), for run.json.
+    gpus: tuple[str, ...] | None = None
 
     @property
     def ranks(self) -> range:
@@ -242,8 +253,15 @@ def parse_env_flags(flags: tuple[str, ...], environ: Mapping[str, str]) -> dict[
     return out
 
 
+def gpus_for(spec: RunSpec, host: Host) -> tuple[int, ...] | None:
+    """The GPU subset the job runs on at ``host``: --gpus, else the host's
+    ``gpus`` in the cluster file; None for all."""
+    return spec.gpus if spec.gpus is not None else host.gpus
+
+
 def nproc_for(spec: RunSpec, host: Host, facts: NodeFacts, lightning: LightningShape | None = None) -> int:
-    """Processes on a node: --nproc-per-node, else slots, else GPUs, else 1.
+    """Processes on a node: --nproc-per-node, else the GPU subset's size
+    (--gpus, the host's ``gpus``), else slots, else GPUs, else 1.
 
     With Lightning, the script's ``Trainer(devices=...)`` starts the
     processes, whatever the host's slots: its count when the script says it
@@ -257,6 +275,9 @@ def nproc_for(spec: RunSpec, host: Host, facts: NodeFacts, lightning: LightningS
         return 1 if lightning.cpu else (facts.gpus or 1)
     if spec.nproc_per_node is not None:
         return spec.nproc_per_node
+    subset = gpus_for(spec, host)
+    if subset is not None:  # --gpus / `gpus`: one per GPU of the subset, whatever the slots
+        return len(subset)
     if host.slots is not None:
         return host.slots
     if facts.gpus:
@@ -386,6 +407,10 @@ def build_plan(
             "CORRAL_NODE_IPS": ips,
             "CORRAL_STACK_SIGNAL": str(STACK_SIGNAL),
         })
+        subset = gpus_for(spec, host)
+        if subset is not None:  # indices as nvidia-smi numbers them (PCI order, not CUDA's fastest-first)
+            env["CUDA_VISIBLE_DEVICES"] = format_gpus(subset)
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         env.update(cmd.env)
         for key, value in cmd.env_defaults.items():
             env.setdefault(key, value)
@@ -395,6 +420,7 @@ def build_plan(
             host=host, node_rank=rank, nproc=nproc, first_rank=ctx.first_rank,
             argv=expand_contract(cmd.argv, env), env=env, cwd=cwd, pipe_rank=cmd.pipe_rank, requires=REQUIRES[spec.launcher],
             env_refs=node_refs,
+            gpus=nf.held_gpus,
         ))
     return LaunchPlan(run_id=spec.run_id, launcher=spec.launcher, master_addr=master_addr,
                       master_port=master_port, nodes=tuple(nodes))

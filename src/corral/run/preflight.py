@@ -23,9 +23,10 @@ from collections.abc import Callable, Mapping
 from corral.agent.probes import advertises_loopback
 from corral.agent.session import AgentPool, AgentSession
 from corral.errors import HostError, PreflightError
-from corral.model import Cluster, Host
+from corral.model import Cluster, Host, format_gpus
 from corral.run.launchers import REQUIRES
-from corral.run.plan import NodeFacts, RunSpec
+from corral.run.plan import NodeFacts, RunSpec, gpus_for
+from corral.run.sharing import busy_warning, held_gpus, hold_args, hold_problems, unchecked_warning
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,10 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
         if spec.launcher == "accelerate":
             args["accelerate"] = True  # the node's default config may pick FSDP/DeepSpeed
         visible = {**cluster.env_for(s.host), **spec.env}.get("CUDA_VISIBLE_DEVICES")
+        subset = gpus_for(spec, s.host)
+        if subset is not None:  # --gpus / `gpus`: what the plan sets
+            visible = format_gpus(subset)
+        args["hold"] = hold_args(spec, s.host, first=s.name == first)
         if visible is not None:  # one process per GPU its ranks will see, not per GPU there
             args["cuda_visible_devices"] = visible
         if compare:
@@ -116,9 +121,15 @@ async def preflight(pool: AgentPool, cluster: Cluster, spec: RunSpec, head_cwd: 
                     hint=f"install {mod} in that environment, or point `python` for this host at the "
                          "interpreter that has it (cluster file)",
                     kind="no-module"))
+        problems += hold_problems(s.name, r.get("hold"), spec, s.host)
     problems += same_machine({s.name: results[s.name] for s in pool.sessions})
     if problems:
         raise PreflightError(problems, what="preflight")
+    for note in (busy_warning({s.name: results[s.name].get("hold") for s in pool.sessions}),
+                 unchecked_warning(spec, [s.host for s in pool.sessions],
+                                   {s.name: results[s.name].get("gpus") for s in pool.sessions})):
+        if note:
+            (warn or log.warning)(note)
     stale = [s.name for s in pool.sessions if spec.program in (results[s.name].get("differs") or [])]
     if stale:
         (warn or log.warning)(stale_script_warning(spec.program, stale))
@@ -303,7 +314,8 @@ def node_facts(pool: AgentPool, probes: Mapping[str, dict], master: str, *, job_
                          f"GLOO_SOCKET_IFNAME={gloo} (the interface of {address})")
         facts[s.name] = NodeFacts(gpus=probe.get("gpus"), address=address,
                                   accelerate_mode=probe.get("accelerate_mode"), gloo_ifname=gloo,
-                                  accelerate_config=_text_pair(probe.get("accelerate_config")))
+                                  accelerate_config=_text_pair(probe.get("accelerate_config")),
+                                  held_gpus=held_gpus(probe.get("hold") or {}))
     if fixed:
         (warn or log.warning)(
             "; ".join(fixed) + ", since gloo would tell the other nodes to connect to that address (Debian's "

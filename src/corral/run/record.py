@@ -29,11 +29,14 @@ def plan_record(plan: LaunchPlan, spec: RunSpec, cluster: Cluster) -> dict[str, 
         # (SIGKILL, a crashed laptop) from one still running
         "head": {"host": socket.gethostname(), "pid": os.getpid()},
         "master_port": plan.master_port,
+        # what the job holds on its nodes (other jobs are refused them): `corral ps` shows them
+        "ports": {"master": plan.master_port},
         "world_size": plan.world_size,
         "cluster": {"source": cluster.source, "name": cluster.name},
         "hosts": [
             {"name": n.host.name, "node_rank": n.node_rank, "ranks": list(n.ranks),
-             "argv": list(n.argv), "cwd": n.cwd, "env_names": sorted(n.env)}
+             "argv": list(n.argv), "cwd": n.cwd, "env_names": sorted(n.env),
+             "gpus": list(n.gpus) if n.gpus is not None else None}
             for n in plan.nodes
         ],
     }
