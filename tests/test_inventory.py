@@ -718,3 +718,16 @@ def test_a_found_corral_toml_that_is_not_a_file_is_named_not_skipped(tmp_path: P
     (tmp_path / "corral.toml").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(InventoryError, match="is a directory, not a file"):
         _load(tmp_path)
+
+
+def test_spare_hosts_are_read_and_checked(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text('[[hosts]]\nname = "gpu[1-3]"\n\n[[hosts]]\nname = "gpu4"\nspare = true\n')
+    cluster = read_corral_toml(tmp_path / "c.toml")
+    assert [h.name for h in cluster.spares] == ["gpu4"]
+    assert cluster.without_spares().names == ["gpu1", "gpu2", "gpu3"] and len(cluster.hosts) == 4
+    (tmp_path / "c.toml").write_text('[[hosts]]\nname = "gpu1"\nspare = "yes"\n')
+    with pytest.raises(InventoryError, match=r"c.toml:3: .*spare must be true or false"):
+        read_corral_toml(tmp_path / "c.toml", label="c.toml")
+    (tmp_path / "c.toml").write_text('[[hosts]]\nname = "gpu[1-2]"\nspare = true\n')
+    with pytest.raises(InventoryError, match=r"c.toml:3: every host is a spare"):
+        read_corral_toml(tmp_path / "c.toml", label="c.toml")
