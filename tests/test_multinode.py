@@ -521,8 +521,14 @@ def test_restarts_on_node_private_work_dirs_are_warned_about(sandbox, workdir: P
         assert res.returncode == 0, res.stderr[-3000:]
         assert f"the work dir {proj} is on each node's own disk" in res.stderr, res.stderr[-3000:]
         assert res.stdout.count("attempt 1") == len(sandbox.nodes)
-        # the shared directory (one directory every node sees) and runs without restarts: nothing to say
-        res = corral(sandbox, ["--launcher", "command", "--max-restarts", "1", "train.py"], workdir, timeout=60)
+        # --checkpoint-dir is what counts when named: one not made yet, on the nodes' own disks...
+        res = corral(sandbox, ["--launcher", "command", "--max-restarts", "1", "--checkpoint-dir", f"{proj}/ckpt",
+                               "train.py"], workdir, timeout=60)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"--checkpoint-dir {proj}/ckpt is on each node's own disk" in res.stderr, res.stderr[-3000:]
+        # ... and, relative to the shared work dir (one directory every node sees), nothing to say
+        res = corral(sandbox, ["--launcher", "command", "--max-restarts", "1", "--checkpoint-dir", "ckpt",
+                               "train.py"], workdir, timeout=60)
         assert res.returncode == 0 and "own disk" not in res.stderr, res.stderr[-3000:]
         res = corral(sandbox, ["--workdir", proj, "--launcher", "command", "train.py"], workdir, timeout=60)
         assert res.returncode == 0 and "own disk" not in res.stderr, res.stderr[-3000:]
