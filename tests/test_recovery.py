@@ -128,7 +128,7 @@ def hosts(*names: str, spare: bool = False) -> tuple[Host, ...]:
 
 
 def test_a_spare_takes_the_lost_nodes_place_and_the_others_keep_their_ranks() -> None:
-    nodes, swaps = regroup(hosts("n1", "n2", "n3", "n4"), {"n2"}, hosts("s1", "s2", spare=True), min_nodes=4)
+    nodes, swaps = regroup(hosts("n1", "n2", "n3", "n4"), {"n2"}, hosts("s1", "s2", spare=True), min_nodes=None)
     assert [h.name for h in nodes] == ["n1", "s1", "n3", "n4"]
     assert swaps == {"n2": "s1"}
     assert not any(h.spare for h in nodes)  # a node of the job from now on
@@ -142,6 +142,8 @@ def test_without_a_spare_the_job_goes_on_smaller_down_to_min_nodes() -> None:
     assert "n[2-3] lost and not back" in err.value.message
     assert "2 node(s) left (n[1,4]), fewer than --min-nodes 3" in err.value.message
     assert "spare = true" in (err.value.hint or "") and err.value.exit_code == 3
+    with pytest.raises(NotEnoughNodes, match=r"n3 lost .* fewer than the 3 it ran on \(--min-nodes M lets"):
+        regroup(hosts("n1", "n2", "n3"), {"n3"}, (), min_nodes=None)
 
 
 def test_spares_are_held_back_when_the_job_starts() -> None:

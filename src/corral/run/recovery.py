@@ -178,11 +178,11 @@ class Exclusion:
 
 
 def regroup(active: Sequence[Host], lost: set[str], spares: Sequence[Host],
-            min_nodes: int) -> tuple[tuple[Host, ...], dict[str, str | None]]:
+            min_nodes: int | None) -> tuple[tuple[Host, ...], dict[str, str | None]]:
     """The next attempt's hosts: each lost host replaced where it stood by the
     next spare (so the others keep their node ranks), else left out; and, per
     lost host, its replacement (None: none).  Raises NotEnoughNodes when fewer
-    than ``min_nodes`` are left."""
+    than ``min_nodes`` are left (None: than there were)."""
     free = list(spares)
     hosts: list[Host] = []
     swaps: dict[str, str | None] = {}
@@ -194,12 +194,14 @@ def regroup(active: Sequence[Host], lost: set[str], spares: Sequence[Host],
         swaps[host.name] = spare.name if spare else None
         if spare is not None:
             hosts.append(spare.with_(spare=False))  # a node of the job from now on
-    if len(hosts) < min_nodes:
+    if len(hosts) < (len(active) if min_nodes is None else min_nodes):
         gone = [h.name for h in active if h.name in lost]
         left = fold([h.name for h in hosts]) if hosts else "none"
+        need = f"--min-nodes {min_nodes}" if min_nodes is not None else \
+            f"the {len(active)} it ran on (--min-nodes M lets it go on with M)"
         raise NotEnoughNodes(
             f"{fold(gone)} lost and not back; no spare host to take {'its' if len(gone) == 1 else 'their'} "
-            f"place: {len(hosts)} node(s) left ({left}), fewer than --min-nodes {min_nodes}; the job stops here",
+            f"place: {len(hosts)} node(s) left ({left}), fewer than {need}; the job stops here",
             hint=f"bring {fold(gone)} back and run the same command again (the script resumes from its "
                  "checkpoint), list a spare host in the cluster file (spare = true), or lower --min-nodes")
     return tuple(hosts), swaps
@@ -297,16 +299,20 @@ class Recovery:
         if not order:
             return self.cluster
         wait = self.options.rejoin_timeout
-        instead = "a spare host" if self.spares else "the nodes left"
+        if self.spares:
+            then = "restarting with a spare host in its place"
+        elif len(self.cluster.hosts) - len(order) >= (self.options.min_nodes or len(self.cluster.hosts)):
+            then = "restarting on the nodes left"
+        else:
+            then = "stopping (--min-nodes: too few nodes would be left)"
         self.say(f"{fold(order)} lost: waiting up to {wait:g} s for it to answer again (--rejoin-timeout), "
-                 f"then restarting on {instead}")
+                 f"then {then}")
         gone = await self._rejoin(order, wake, interrupted)
         if not gone:
             self.say(f"{fold(order)} answers again: restarting on all {len(self.cluster.hosts)} nodes")
             return self.cluster
         spares = await self._answering_spares(len(gone))
-        hosts, swaps = regroup(self.cluster.hosts, set(gone), spares,
-                               self.options.min_nodes or len(self.cluster.hosts))
+        hosts, swaps = regroup(self.cluster.hosts, set(gone), spares, self.options.min_nodes)
         why = f"lost in attempt {attempt - 1} and did not answer within --rejoin-timeout {wait:g} s"
         for name in gone:
             self.excluded.append(Exclusion(host=name, attempt=attempt, reason=why, replaced_by=swaps[name]))
