@@ -106,8 +106,9 @@ def judge(failure: Failure, lines: Sequence[str]) -> Verdict:
         return Verdict(restart=True, what=f"{failure.host} was lost")
     if failure.kind == "hang":
         return Verdict(restart=True, what="a hang")
-    if failure.signal is not None or _signal_exit(failure.code):
-        return Verdict(restart=True, what=f"a process killed by {failure.signal_name or _signal_exit(failure.code)}")
+    killer = failure.signal_name or _signal_exit(failure.code)
+    if killer:
+        return Verdict(restart=True, what=f"a process killed by {killer}")
     if failure.consequential:
         return Verdict(restart=True, what="a rank whose peer went away")
     if failure.kind == "start":
@@ -284,7 +285,8 @@ class Recovery:
         verdict = self.gate.decide(failure, failure_lines(watch, failure), attempt)
         if not verdict.restart:
             left = self.max_restarts - attempt + 1
-            self.refused = f"not restarting ({left} of --max-restarts {self.max_restarts} unused): {verdict.what}"
+            unused = f"{left} of --max-restarts {self.max_restarts} unused"
+            self.refused = f"not restarting ({unused}): {verdict.what}"
             self.say(self.refused)
         return verdict.restart
 
@@ -328,15 +330,16 @@ class Recovery:
                  "ranks and world size recomputed")
         return self.cluster
 
-    async def _rejoin(self, names: list[str], wake: asyncio.Event, interrupted: Callable[[], bool]) -> list[str]:
+    async def _rejoin(self, names: list[str], wake: asyncio.Event,
+                      interrupted: Callable[[], bool]) -> list[str]:
         """Reconnect to each lost node until it answers or --rejoin-timeout
         runs out; the ones that never answered."""
         deadline = time.monotonic() + self.options.rejoin_timeout
         waiting = list(names)
         while waiting:
             left = deadline - time.monotonic()
-            answers = await asyncio.gather(*(self._answers(self.cluster.host(n), max(min(self.connect_timeout, left), 1))
-                                             for n in waiting))
+            timeout = max(min(self.connect_timeout, left), 1.0)
+            answers = await asyncio.gather(*(self._answers(self.cluster.host(n), timeout) for n in waiting))
             waiting = [n for n, why in zip(waiting, answers) if why is not None]
             if interrupted():
                 raise CorralError("interrupted while waiting for a lost node; nothing of the job is running",

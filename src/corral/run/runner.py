@@ -297,9 +297,10 @@ class Runner:
         while True:
             attempts += 1
             try:
-                if lost:
+                if lost:  # wait for them, replace them, or go on without them
                     assert self._wake is not None
-                    self.cluster = await self.recovery.regroup(lost, attempts, self._wake, lambda: bool(self.interrupts))
+                    self.cluster = await self.recovery.regroup(lost, attempts, self._wake,
+                                                               lambda: bool(self.interrupts))
                     lost = set()
                 result = await self._attempt(attempts)
             except CorralError as e:
