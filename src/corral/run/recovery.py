@@ -344,11 +344,12 @@ class Recovery:
             if interrupted():
                 raise CorralError("interrupted while waiting for a lost node; nothing of the job is running",
                                   exit_code=EXIT_INTERRUPTED)
-            if not waiting or time.monotonic() + REJOIN_PAUSE_S > deadline:
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
                 break
             wake.clear()  # set by Ctrl-C
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), REJOIN_PAUSE_S)
+            with contextlib.suppress(asyncio.TimeoutError):  # the last try at the deadline itself
+                await asyncio.wait_for(wake.wait(), min(REJOIN_PAUSE_S, left))
         return waiting
 
     async def _answering_spares(self, wanted: int) -> list[Host]:
