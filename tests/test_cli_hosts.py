@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -149,3 +150,12 @@ def test_a_cloned_corral_toml_runs_no_command_until_trusted(
     assert "trusted corral.toml as it is now" in trusted.stderr and "gpu1" in trusted.stdout
     runner.invoke(cli, ["exec", "--", "true"])
     assert marker.exists()  # trusted: ssh ran the user's ProxyCommand
+
+
+def test_a_spare_host_has_no_node_rank(runner: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text('[[hosts]]\nname = "g1"\nspare = true\n\n[[hosts]]\nname = "g[2-3]"\n')
+    data = _json(runner.invoke(cli, ["hosts", "-c", str(tmp_path / "c.toml"), "--no-resolve", "--json"]))
+    assert [(h["name"], h["node_rank"], h["spare"]) for h in data["hosts"]] == [
+        ("g1", None, True), ("g2", 0, False), ("g3", 1, False)]
+    table = runner.invoke(cli, ["hosts", "-c", str(tmp_path / "c.toml"), "--no-resolve"])
+    assert re.search(r"spare\W+g1", table.output) and re.search(r"0\W+g2", table.output), table.output

@@ -147,7 +147,7 @@ def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: 
         assert any("step 0 rank 0" in p.read_text() for p in local.glob("*/rank0.log"))
         rec = json.loads((local / "run.json").read_text())
         assert rec["status"] == "interrupted" and rec["detached"]
-        runs = json.loads(corral("runs", "--json", cwd=tmp_path).stdout)
+        runs = json.loads(corral("runs", "--json", cwd=tmp_path).stdout)["runs"]
         assert [r["status"] for r in runs if r["run_id"] == run] == ["interrupted"]
     finally:
         _forget(run)
@@ -224,7 +224,7 @@ def wait_failed(work: Path, run: str, within: float) -> dict:
     """`corral runs` (which asks node 0 about a detached run) until the run has ended."""
     deadline = time.monotonic() + within
     while True:
-        runs = json.loads(corral("runs", "--json", cwd=work).stdout)
+        runs = json.loads(corral("runs", "--json", cwd=work).stdout)["runs"]
         rec = next((r for r in runs if r["run_id"] == run), {})
         if rec.get("status") not in (None, "running", "starting", "stopping"):
             return rec
@@ -266,7 +266,7 @@ def test_node0_that_cannot_reach_the_others_is_named_with_the_fix_before_anythin
     assert res.stderr.count("cannot reach") == 1  # said once, not once by the node and again here
     run = re.search(r"run (\S+): torchrun", res.stderr).group(1)
     _forget(run)
-    assert json.loads(corral("runs", "--json", cwd=work).stdout)[0]["status"] == "failed"
+    assert json.loads(corral("runs", "--json", cwd=work).stdout)["runs"][0]["status"] == "failed"
     assert_clean(sandbox, within=5)
 
 
@@ -345,3 +345,28 @@ def test_supervisors_node_lost_the_others_stop_and_its_logs_are_named(node_ssh, 
         sandbox.heal(first)
         _forget(run)
     assert_clean(sandbox, within=20)  # and node 1's supervisor tore down its own share
+
+
+def test_the_job_document_carries_every_field_of_the_spec_options_and_cluster() -> None:
+    # The supervisor failed to start once a field was added that the codec
+    # written by hand did not know (a nested RecoveryOptions, .deepspeed_env's
+    # parsed values, GPU subsets): every field now travels by its type.
+    from pathlib import Path
+
+    from corral.interop.dsenv import DsEnv, DsValue
+    from corral.run.jobcodec import from_json, to_json
+    from corral.run.plan import RunSpec
+    from corral.run.recovery import RecoveryOptions
+    from corral.run.runner import RunOptions
+
+    cluster = Cluster(hosts=(Host(name="gpu1", gpus=(0, 1)), Host(name="gpu2", spare=True)), env={"A": "1"})
+    spec = RunSpec(program="train.py", args=("--x", "1"), env={"B": "2"}, gpus=(2, 3), launcher="deepspeed",
+                   ds_env=DsEnv(files=("./.deepspeed_env",),
+                                values=(DsValue(name="P", raw="$P:/x", parts=(("var", "P"), ("lit", ":/x")),
+                                                source="./.deepspeed_env:1"),)))
+    options = RunOptions(runs_dir=Path("/r"), shown_ranks=frozenset({0, 3}),
+                         recovery=RecoveryOptions(min_nodes=3, checkpoint_dir="/ck"))
+    for obj, cls in ((cluster, Cluster), (spec, RunSpec), (options, RunOptions)):
+        assert from_json(cls, json.loads(json.dumps(to_json(obj)))) == obj
+    with pytest.raises(ValueError, match="unknown field"):
+        from_json(RunOptions, {**to_json(options), "from_the_future": 1})

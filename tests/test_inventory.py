@@ -732,3 +732,16 @@ def test_a_hosts_gpus_in_the_cluster_file(tmp_path: Path) -> None:
             read_corral_toml(path, label="corral.toml")
         assert info.value.message.startswith(f"corral.toml:6: gpus '{bad}': "), info.value.message
         assert words in info.value.message
+
+
+def test_spare_hosts_are_read_and_checked(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text('[[hosts]]\nname = "gpu[1-3]"\n\n[[hosts]]\nname = "gpu4"\nspare = true\n')
+    cluster = read_corral_toml(tmp_path / "c.toml")
+    assert [h.name for h in cluster.spares] == ["gpu4"]
+    assert cluster.without_spares().names == ["gpu1", "gpu2", "gpu3"] and len(cluster.hosts) == 4
+    (tmp_path / "c.toml").write_text('[[hosts]]\nname = "gpu1"\nspare = "yes"\n')
+    with pytest.raises(InventoryError, match=r"c.toml:3: .*spare must be true or false"):
+        read_corral_toml(tmp_path / "c.toml", label="c.toml")
+    (tmp_path / "c.toml").write_text('[[hosts]]\nname = "gpu[1-2]"\nspare = true\n')
+    with pytest.raises(InventoryError, match=r"c.toml:3: every host is a spare"):
+        read_corral_toml(tmp_path / "c.toml", label="c.toml")

@@ -582,8 +582,14 @@ def test_restarts_on_node_private_work_dirs_are_warned_about(sandbox, workdir: P
         assert res.returncode == 0, res.stderr[-3000:]
         assert f"the work dir {proj} is on each node's own disk" in res.stderr, res.stderr[-3000:]
         assert res.stdout.count("attempt 1") == len(sandbox.nodes)
-        # the shared directory (one directory every node sees) and runs without restarts: nothing to say
-        res = corral(sandbox, ["--launcher", "command", "--max-restarts", "1", "train.py"], workdir, timeout=60)
+        # --checkpoint-dir is what counts when named: one not made yet, on the nodes' own disks...
+        res = corral(sandbox, ["--launcher", "command", "--max-restarts", "1", "--checkpoint-dir", f"{proj}/ckpt",
+                               "train.py"], workdir, timeout=60)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"--checkpoint-dir {proj}/ckpt is on each node's own disk" in res.stderr, res.stderr[-3000:]
+        # ... and, relative to the shared work dir (one directory every node sees), nothing to say
+        res = corral(sandbox, ["--launcher", "command", "--max-restarts", "1", "--checkpoint-dir", "ckpt",
+                               "train.py"], workdir, timeout=60)
         assert res.returncode == 0 and "own disk" not in res.stderr, res.stderr[-3000:]
         res = corral(sandbox, ["--workdir", proj, "--launcher", "command", "train.py"], workdir, timeout=60)
         assert res.returncode == 0 and "own disk" not in res.stderr, res.stderr[-3000:]
@@ -630,6 +636,105 @@ def test_a_restart_that_cannot_reconnect_yet_tries_again(sandbox, workdir: Path)
                for r in record["restarts"][1:]), record["restarts"]
     assert [r["attempt"] for r in record["restarts"]] == list(range(1, record["attempts"]))
     assert_clean(sandbox, within=15)
+
+
+#: Trains in steps; rank 0 checkpoints the step after each one (atomically, in the
+#: shared directory corral names), and a restart resumes from it.
+RESUMABLE = """
+    import os, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt = os.path.join(os.environ["CORRAL_CHECKPOINT_DIR"], "step")
+    resume = os.environ.get("CORRAL_RESUME_DIR")
+    start = int(open(os.path.join(resume, "step")).read()) if resume else 0
+    if rank == 0:
+        print("attempt", os.environ["CORRAL_ATTEMPT"], "from step", start, "world", world,
+              "was", os.environ.get("CORRAL_PREVIOUS_WORLD_SIZE"), "excluded",
+              os.environ.get("CORRAL_EXCLUDED_HOSTS"), flush=True)
+    for step in range(start, 30):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert int(t.item()) == world
+        if rank == 0:
+            with open(ckpt + ".tmp", "w") as f:
+                f.write(str(step + 1))
+            os.replace(ckpt + ".tmp", ckpt)
+            print("step", step + 1, flush=True)
+        time.sleep(0.2)
+    print("done", world, flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def _lose_a_node_mid_run(sandbox, workdir: Path, victim: str, flags: list[str],
+                         cluster: Path | None = None) -> tuple[subprocess.Popen, str, dict]:
+    """Run RESUMABLE, stop ``victim`` (every process on it, sshd included) at
+    step 3; the run's exit, its stderr and its run.json."""
+    import threading
+
+    write(workdir / "resume.py", RESUMABLE)
+    (workdir / "ckpt").mkdir()
+    cmd = CORRAL + ["run", "-c", str(cluster or sandbox.cluster_file), "--ranks", "all", "--max-restarts", "1",
+                    "--node-timeout", "3", "--rejoin-timeout", "1", "--checkpoint-dir", str(workdir / "ckpt"),
+                    *flags, "resume.py"]
+    proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+    try:
+        wait_for_lines(proc, r"\] step 3$", 1)
+        sandbox.stop(victim)
+        proc.wait(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sandbox.up()  # the victim starts again, for the tests after this one
+    [path] = Path(os.environ["CORRAL_RUNS_DIR"]).glob("*/run.json")
+    return proc, "".join(err), json.loads(path.read_text())
+
+
+def test_a_lost_node_is_left_out_and_the_job_resumes_on_the_rest(sandbox, workdir: Path) -> None:
+    """--min-nodes 3 on 4 nodes, node 3 stopped mid-run: the job restarts on
+    the other 3 (6 ranks), resumes from its checkpoint and finishes; run.json
+    names the node left out."""
+    victim = sandbox.nodes[2]
+    proc, err, record = _lose_a_node_mid_run(sandbox, workdir, victim, ["--min-nodes", "3"])
+    out = "".join(proc._lines)  # type: ignore[attr-defined]
+    assert proc.returncode == 0, err[-3000:]
+    resumed = re.search(r"attempt 2 from step (\d+) world 6 was 8 excluded (\S+)", out)
+    assert resumed and int(resumed.group(1)) >= 3 and resumed.group(2) == victim, out[-3000:]
+    assert out.count("done 6") == 6 and "step 30" in out, out[-3000:]
+    assert f"going on without {victim}" in out, out[-3000:]
+    assert record["status"] == "succeeded" and record["attempts"] == 2 and record["world_size"] == 6
+    [excluded] = record["excluded"]
+    assert excluded["host"] == victim and excluded["attempt"] == 2 and excluded["replaced_by"] is None
+    assert record["attempt_hosts"] == {"1": sandbox.nodes, "2": [n for n in sandbox.nodes if n != victim]}
+    assert f"{victim} was lost" in record["restarts"][0]["failure"]
+    assert_clean(sandbox, within=10)
+
+
+def test_a_spare_host_takes_the_place_of_a_lost_node(sandbox, workdir: Path, tmp_path: Path) -> None:
+    """The last node is a spare (spare = true): not used at the start; when
+    node 2 is lost it takes its place, instead of the job going on smaller."""
+    spare, victim = sandbox.nodes[-1], sandbox.nodes[1]
+    text = sandbox.cluster_file.read_text()
+    block = f'name = "{spare}"\naddress = "{sandbox.addresses[spare]}"\n'
+    assert block in text
+    cluster = tmp_path / "corral.toml"
+    cluster.write_text(text.replace(block, block + "spare = true\n"))
+    proc, err, record = _lose_a_node_mid_run(sandbox, workdir, victim, [], cluster=cluster)
+    out = "".join(proc._lines)  # type: ignore[attr-defined]
+    assert proc.returncode == 0, err[-3000:]
+    assert "3 node(s) (+1 spare)" in err
+    assert re.search(r"attempt 1 from step 0 world 6 was None", out), out[-3000:]
+    assert re.search(rf"attempt 2 from step ([3-9]|\d\d+) world 6 was 6 excluded {victim}\b", out), out[-3000:]
+    assert out.count("done 6") == 6, out[-3000:]
+    assert f"{spare} (spare) takes the place of {victim}" in out, out[-3000:]
+    [excluded] = record["excluded"]
+    assert excluded["host"] == victim and excluded["replaced_by"] == spare
+    first = sandbox.nodes[:3]
+    assert record["attempt_hosts"] == {"1": first, "2": [spare if n == victim else n for n in first]}
+    assert_clean(sandbox, within=10)
 
 
 def test_command_launcher_runs_the_configured_python_and_shows_its_last_lines(sandbox, workdir: Path) -> None:

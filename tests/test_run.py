@@ -616,6 +616,50 @@ def test_max_restarts_reruns_the_job(tmp_path: Path) -> None:
     assert record["restarts"][0]["attempt"] == 1 and "rank 1 on " in record["restarts"][0]["failure"]
 
 
+def test_restarts_only_what_a_restart_can_get_past(tmp_path: Path) -> None:
+    """A rank killed by a signal (the OOM killer) is restarted; a Python
+    exception once more; the same exception at the same place again ends the
+    restarts, said once.  An error in the program itself is not restarted."""
+    write(tmp_path / "job.py", """
+        import os, signal
+        attempt = int(os.environ["CORRAL_ATTEMPT"])
+        print("attempt", attempt, flush=True)
+        if attempt == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError("shard 7 is empty")
+    """)
+    res = corral(["run", "--launcher", "command", "--max-restarts", "5", "job.py"], tmp_path)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert [ln for ln in res.stdout.splitlines() if "attempt" in ln and "job.py" not in ln][-1].endswith("attempt 3")
+    said = [ln for ln in res.stdout.splitlines() if "not restarting" in ln]
+    assert said == ["corral: not restarting (3 of --max-restarts 5 unused): ValueError: shard 7 is empty at "
+                    "job.py:7 again, as in attempt 2: the same exception at the same place, where a restart "
+                    "would fail once more"], res.stdout[-3000:]
+    [record] = [json.loads(p.read_text()) for p in Path(os.environ["CORRAL_RUNS_DIR"]).glob("*/run.json")]
+    assert record["attempts"] == 3 and record["not_restarted"] == said[0].removeprefix("corral: ")
+    assert "killed by SIGKILL" in record["restarts"][0]["failure"]
+
+    write(tmp_path / "job.py", "import datasetz\n")
+    res = corral(["run", "--launcher", "command", "--max-restarts", "5", "job.py"], tmp_path)
+    assert res.returncode == 1 and "restarting the job" not in res.stdout, res.stdout[-3000:]
+    assert ("not restarting (5 of --max-restarts 5 unused): ModuleNotFoundError: No module named 'datasetz' "
+            "at job.py:1, an error in the program itself that a restart runs into again") in res.stdout
+
+
+def test_min_nodes_needs_restarts_and_enough_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from corral.cli import cli
+
+    write(tmp_path / "job.py", "print('hi')\n")
+    monkeypatch.chdir(tmp_path)
+    for args, words in ((["--min-nodes", "1"], "--min-nodes needs --max-restarts N"),
+                        (["--max-restarts", "1", "--min-nodes", "2"], "--min-nodes 2, but the job starts on 1 node(s)"),
+                        (["--checkpoint-dir", "~/ckpt"], "'~' would reach the script unexpanded")):
+        res = CliRunner().invoke(cli, ["run", *args, "job.py"])
+        assert res.exit_code == 2 and words in res.output, res.output
+
+
 # ---------------------------------------------------------------------------
 # What a run leaves on its node, and what it finds there
 

@@ -83,6 +83,9 @@ class Host:
     #: The GPUs (nvidia-smi indices) jobs use on this host (``gpus = "0-3"``);
     #: ``None`` means all of them.
     gpus: tuple[int, ...] | None = None
+    #: A spare (``spare = true`` in corral.toml): not used when a run starts;
+    #: it replaces a node lost during the run (``--max-restarts``, docs/run.md).
+    spare: bool = False
 
     def __post_init__(self) -> None:
         # The readers raise InventoryError with file and line first; this
@@ -156,6 +159,17 @@ class Cluster:
     def is_local(self) -> bool:
         """True when every host is this machine (the default cluster)."""
         return all(h.local for h in self.hosts)
+
+    @property
+    def spares(self) -> tuple[Host, ...]:
+        """Hosts held back to replace a lost node, in file order."""
+        return tuple(h for h in self.hosts if h.spare)
+
+    def without_spares(self) -> "Cluster":
+        """The hosts a run starts on (every host when none is a spare)."""
+        if not self.spares:
+            return self
+        return replace(self, hosts=tuple(h for h in self.hosts if not h.spare))
 
     def host(self, name: str) -> Host:
         for h in self.hosts:

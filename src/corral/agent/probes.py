@@ -494,3 +494,18 @@ def connect(addresses, port, timeout=3.0) -> dict:
         finally:
             s.close()
     return out
+
+
+def dir_facts(path, base=None) -> dict:
+    """Where a directory the job writes to (``--checkpoint-dir``) lives: its
+    file system and identity, read from the nearest directory that exists
+    (a checkpoint directory the script has not created yet is judged by the
+    one it will be created in).  ``base``: the work dir, for a relative path."""
+    path = os.path.expanduser(str(path))
+    if base and not os.path.isabs(path):
+        path = os.path.join(os.path.expanduser(str(base)), path)
+    near = path
+    while not os.path.isdir(near) and os.path.dirname(near) != near:
+        near = os.path.dirname(near)
+    return {"path": path, "exists": os.path.isdir(path), "fstype": fstype(near),
+            "identity": dir_identity(near)}

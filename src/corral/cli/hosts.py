@@ -86,13 +86,20 @@ def cluster_to_json(cluster: Cluster) -> dict[str, Any]:
         "ssh_config": cluster.ssh_config,
         "ssh_options": list(cluster.ssh_options),
         "env_keys": sorted(cluster.env),
-        "hosts": [_host_json(cluster, rank, h) for rank, h in enumerate(cluster.hosts)],
+        "hosts": [_host_json(cluster, rank, h) for rank, h in _ranked(cluster)],
     }
 
 
-def _host_json(cluster: Cluster, rank: int, host: Host) -> dict[str, Any]:
+def _ranked(cluster: Cluster) -> list[tuple[int | None, Host]]:
+    """Each host with its node rank at the start of a run (None: a spare, held back)."""
+    active = {h.name: i for i, h in enumerate(cluster.without_spares().hosts)}
+    return [(active.get(h.name), h) for h in cluster.hosts]
+
+
+def _host_json(cluster: Cluster, rank: int | None, host: Host) -> dict[str, Any]:
     return {
         "node_rank": rank,
+        "spare": host.spare,
         "name": host.name,
         "address": host.address,
         "port": host.port,
@@ -111,7 +118,7 @@ def _table(cluster: Cluster) -> Table:
     """One row per node rank; columns with nothing to say are left out, so
     the table stays readable in an 80-column terminal."""
     cwd = os.getcwd()
-    rows = [_row(cluster, rank, host, cwd) for rank, host in enumerate(cluster.hosts)]
+    rows = [_row(cluster, rank, host, cwd) for rank, host in _ranked(cluster)]
     columns = ["rank", "host", "address", "port", "user", "slots", "python", "workdir",
                "labels", "env"]
     always = {"rank", "host", "slots", "python", "workdir"}
@@ -132,14 +139,14 @@ def _table(cluster: Cluster) -> Table:
     return table
 
 
-def _row(cluster: Cluster, rank: int, host: Host, cwd: str) -> list[str]:
+def _row(cluster: Cluster, rank: int | None, host: Host, cwd: str) -> list[str]:
     workdir = cluster.workdir_for(host)
     if host.address:
         address = escape(host.address)
     else:
         address = "[dim]this machine[/]" if host.local else "-"
     return [
-        str(rank),
+        "[dim]spare[/]" if rank is None else str(rank),
         escape(host.name),
         address,
         str(host.port) if host.port is not None else "-",

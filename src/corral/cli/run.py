@@ -36,6 +36,7 @@ from corral.run.plan import (
     new_run_id,
     parse_env_flags,
 )
+from corral.run.recovery import RecoveryOptions, check_checkpoint_dir
 from corral.run.result import RunResult
 from corral.run.runner import PREWARMED, Runner, RunOptions
 from corral.run.scriptcheck import (
@@ -45,6 +46,8 @@ from corral.run.scriptcheck import (
     script_and_args,
     self_launch_note,
 )
+
+RECOVERY_DEFAULTS = RecoveryOptions()
 
 
 @click.command(
@@ -73,8 +76,22 @@ from corral.run.scriptcheck import (
                    "GPU; default: the cluster file's `gpus` for the host, else all. GPUs another corral job "
                    "holds are refused, naming it; see 'Sharing nodes between jobs' in docs/run.md.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Restart the whole job this many times after a failure (scripts resume from their checkpoints); "
-                   "a restart that cannot reconnect counts, and is tried again after 2, 4, ... 30 s.")
+              help="Restart the whole job this many times after a failure that a restart can get past (a lost "
+                   "node, a killed rank, a timeout; not an error in the program, nor the same exception at the "
+                   "same place twice); scripts resume from their checkpoints. A restart that cannot reconnect "
+                   "counts, and is tried again after 2, 4, ... 30 s.")
+@click.option("--min-nodes", type=click.IntRange(min=1), default=None, metavar="M",
+              help="With --max-restarts: a node lost and not back within --rejoin-timeout is replaced by a "
+                   "spare host (spare = true in the cluster file), else the job restarts without it, re-planned "
+                   "on the nodes left, as long as at least M remain.  [default: every node it started on]")
+@click.option("--rejoin-timeout", type=click.FloatRange(min=0), default=RECOVERY_DEFAULTS.rejoin_timeout,
+              show_default=True, metavar="SECONDS",
+              help="Seconds a lost node gets to answer again before the restart goes on without it "
+                   "(--min-nodes) or with a spare host.")
+@click.option("--checkpoint-dir", default=None, metavar="DIR",
+              help="Where the script writes its checkpoints (absolute, or relative to the work dir): every rank "
+                   "gets it as CORRAL_CHECKPOINT_DIR, and after a restart as CORRAL_RESUME_DIR; corral warns when "
+                   "it is on each node's own disk, where a restart on other nodes cannot read it.")
 @click.option("--ranks", "ranks_spec", default="0", show_default=True, metavar="SPEC",
               help="Ranks whose progress bars are shown as live status lines: '0', '0,4', '0-7' or 'all'.")
 @click.option("--node-timeout", type=click.FloatRange(min=2), default=10.0, show_default=True,
@@ -126,6 +143,9 @@ def run(
     master_port: int | None,
     gpus_spec: str | None,
     max_restarts: int,
+    min_nodes: int | None,
+    rejoin_timeout: float,
+    checkpoint_dir: str | None,
     ranks_spec: str,
     node_timeout: float,
     grace: float | None,
@@ -180,6 +200,7 @@ def run(
             f"--workdir {workdir!r} is relative: on a node it would be taken from the ssh login directory",
             hint=f"give an absolute path, e.g. --workdir {Path(workdir).absolute()}")
     refuse_owned_options(launcher, tuple(launcher_args))
+    recovery = _recovery_options(max_restarts, min_nodes, rejoin_timeout, checkpoint_dir)
     env = parse_env_flags(env_flags, os.environ)  # an unset --env NAME before any connection
     try:
         gpus = parse_gpus(gpus_spec) if gpus_spec is not None else None
@@ -220,7 +241,7 @@ def run(
         runs_dir=runs_dir, max_restarts=max_restarts,
         node_timeout=node_timeout, hang_timeout=hang_timeout, flight_recorder=not no_flight_recorder,
         **({} if grace is None else {"grace": grace, "interrupt_grace": grace}),
-        shown_ranks=None if status_ranks is None else frozenset(status_ranks),
+        shown_ranks=None if status_ranks is None else frozenset(status_ranks), recovery=recovery,
     )
     if detach:
         from corral.cli.detached import run_detached
@@ -228,16 +249,28 @@ def run(
         run_detached(cluster, spec, options, as_json=as_json)
         return
     # --json: stdout is the result object alone; the ranks' output goes to stderr
-    view = RunConsole(multi_host=len(cluster.hosts) > 1, status_ranks=status_ranks,
+    view = RunConsole(multi_host=len(cluster.without_spares().hosts) > 1, status_ranks=status_ranks,
                       out=sys.stderr if as_json else None)
     runner = Runner(cluster, spec, options, view=view, head_env=os.environ, head_cwd=os.getcwd())
-    ui.notice(f"run {spec.run_id}: {spec.launcher} on {len(cluster.hosts)} node(s); connecting...")
+    spares = f" (+{len(cluster.spares)} spare)" if cluster.spares else ""
+    ui.notice(f"run {spec.run_id}: {spec.launcher} on {len(cluster.without_spares().hosts)} node(s){spares}; "
+              "connecting...")
     try:
         result = asyncio.run(runner.run())
     finally:
         view.close()
     _summary(result, as_json)
     sys.exit(result.exit_code)
+
+
+def _recovery_options(max_restarts: int, min_nodes: int | None, rejoin_timeout: float,
+                      checkpoint_dir: str | None) -> RecoveryOptions:
+    """--min-nodes acts through restarts: without --max-restarts it would do nothing."""
+    if min_nodes is not None and not max_restarts:
+        raise UsageError("--min-nodes needs --max-restarts N: a job goes on without a lost node by restarting",
+                         hint="add --max-restarts 1 (or more)")
+    check_checkpoint_dir(checkpoint_dir)
+    return RecoveryOptions(min_nodes=min_nodes, rejoin_timeout=rejoin_timeout, checkpoint_dir=checkpoint_dir)
 
 
 def _writable_runs_dir(given: Path | None) -> Path:
@@ -409,6 +442,7 @@ PORT_UNCHOSEN = "<port>"
 
 
 def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
+    cluster = cluster.without_spares()  # a spare is used only when a node is lost
     first = cluster.hosts[0]
     master = "127.0.0.1" if len(cluster.hosts) == 1 else first.connect_address
     port = spec.master_port or 0

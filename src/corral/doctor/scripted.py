@@ -117,7 +117,8 @@ async def run_workload(
     dirs: dict[str, str] = {}
     try:
         dirs = await pool.call_all("links.scratch_write", lambda s: {"files": {script: script_text(script)}})
-        scratch = replace(cluster, hosts=tuple(h.with_(workdir=dirs[h.name]) for h in cluster.hosts))
+        # spare hosts too (the Runner holds them back): a spare must be as ready as the rest
+        scratch = replace(cluster, hosts=tuple(h.with_(workdir=dirs[h.name], spare=False) for h in cluster.hosts))
         spec = RunSpec(program=script, args=args, launcher="torchrun", nproc_per_node=nproc,
                        env=dict(env or {}))
         runner = Runner(scratch, spec, RunOptions(runs_dir=runs_dir, connect_timeout=connect_timeout),

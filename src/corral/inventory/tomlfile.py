@@ -28,10 +28,10 @@ from corral.inventory._common import (
     DuplicateCheck,
     at_most,
     check_address,
-    decode_text,
     check_env_key,
     check_ssh_option,
     check_user,
+    decode_text,
     did_you_mean,
     expand_names,
     make_host,
@@ -52,10 +52,10 @@ CLUSTER_KEYS = {
 }
 HOST_KEYS = {
     "name": str, "address": str, "port": int, "user": str, "slots": int, "labels": list,
-    "python": str, "workdir": str, "ssh_options": list, "env": dict, "gpus": str,
+    "python": str, "workdir": str, "ssh_options": list, "env": dict, "gpus": str, "spare": bool,
 }
 TOP_KEYS = {"cluster": dict, "hosts": list}
-_TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table"}
+_TYPE_NAMES = {str: "a string", int: "an integer", list: "an array", dict: "a table", bool: "true or false"}
 
 
 def read_corral_toml(path: Path, *, label: str | None = None, implicit: bool = False) -> Cluster:
@@ -264,6 +264,9 @@ class _TomlReader:
                 seen.add(name, line)
                 self.entry_of[name] = index
                 hosts.append(self.host(name, entry, cfg, at))
+        if all(h.spare for h in hosts):
+            raise self.fail("every host is a spare (spare = true): a run would have no node to start on",
+                            "hosts", 0, "spare", hint="remove spare = true from the hosts a run starts on")
         return hosts
 
     def host(self, name: str, entry: dict[str, Any], cfg: dict[str, Any], at: tuple) -> Host:
@@ -277,7 +280,7 @@ class _TomlReader:
         if address is not None:
             line = self.lines.line(*at, "address")
             check_address(address, what="address", path=self.label, line=line)
-        return make_host(
+        host = make_host(
             name,
             address=address,
             port=entry.get("port", cfg.get("port")),
@@ -289,6 +292,7 @@ class _TomlReader:
             workdir=self.workdir(entry, at),
             ssh_options=self.ssh_options(entry, at),
         ).with_(gpus=self.gpus(entry, at))
+        return host.with_(spare=True) if entry.get("spare") else host
 
     def gpus(self, entry: dict[str, Any], at: tuple) -> tuple[int, ...] | None:
         """``gpus = "0-3"``: the host's GPUs jobs run on (--gpus overrides it)."""

@@ -11,7 +11,9 @@ The environment contract every node gets (documented in docs/run.md):
     NODE_RANK, NNODES           this node's rank (host order) and node count
     WORLD_SIZE                  total processes (torchrun sets per-rank values)
     CORRAL_RUN_ID               the job id that names logs and temp files
-    CORRAL_ATTEMPT, CORRAL_MAX_RESTARTS   set per attempt by the runner (runner.py)
+    CORRAL_ATTEMPT, CORRAL_MAX_RESTARTS   set per attempt by the runner (runner.py), with
+    CORRAL_CHECKPOINT_DIR, CORRAL_RESUME_DIR, CORRAL_PREVIOUS_ATTEMPT,
+    CORRAL_PREVIOUS_WORLD_SIZE, CORRAL_EXCLUDED_HOSTS   (run/recovery.py)
     CORRAL_NODE_RANK, CORRAL_NNODES, CORRAL_NPROC_PER_NODE
     CORRAL_HOSTS                host names in node-rank order (comma list)
     CORRAL_NODE_IPS             the address of each node that corral verified

@@ -160,22 +160,24 @@ LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "
                                "overlay", "vfat", "exfat", "ntfs", "ntfs3", "ramfs"})
 
 
-def local_disk_warning(results: Mapping[str, dict]) -> str | None:
-    """For ``--max-restarts`` on several nodes: a work dir on each node's own
-    disk means a checkpoint written under it by one node (rank 0, as usual)
-    is not there for the others when the job restarts; they start over while
-    it resumes.  Said only when every node's file system is a local one."""
-    kinds = {name: (r.get("workdir") or {}).get("fstype") for name, r in results.items()}
+def local_disk_warning(results: Mapping[str, dict], *, key: str = "workdir",
+                       what: str = "the work dir") -> str | None:
+    """For ``--max-restarts`` on several nodes: a work dir (or the probe's
+    ``key``: the ``--checkpoint-dir``) on each node's own disk means a
+    checkpoint written under it by one node (rank 0, as usual) is not there
+    for the others when the job restarts; they start over while it resumes.
+    Said only when every node's file system is a local one."""
+    kinds = {name: (r.get(key) or {}).get("fstype") for name, r in results.items()}
     if len(kinds) < 2 or not all(k in LOCAL_FILESYSTEMS for k in kinds.values()):
         return None
-    same = {tuple((r.get("workdir") or {}).get("identity") or (name,)) for name, r in results.items()}
+    same = {tuple((r.get(key) or {}).get("identity") or (name,)) for name, r in results.items()}
     if len(same) < 2:
         return None  # one directory seen by every node (hosts on one machine sharing it)
     from corral.hostrange import fold
 
-    path = (next(iter(results.values())).get("workdir") or {}).get("path")
+    path = (next(iter(results.values())).get(key) or {}).get("path")
     types = ", ".join(sorted(set(kinds.values())))  # type: ignore[arg-type]
-    return (f"--max-restarts: the work dir {path} is on each node's own disk ({types} on "
+    return (f"--max-restarts: {what} {path} is on each node's own disk ({types} on "
             f"{fold(list(kinds))}), not shared: a checkpoint one node writes there is not seen by the "
             "others, so after a restart they start over while it resumes. Write checkpoints to shared "
             "storage (an absolute path), or on every node")

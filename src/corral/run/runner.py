@@ -50,11 +50,12 @@ from corral.errors import (
 from corral.model import Cluster
 from corral.run.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
 from corral.run.flightrec import FlightDumps, at_failure, at_hang, flight_report, save_report
-from corral.run.logs import RunLogs
 from corral.run.imports import node_accelerate_notes
+from corral.run.logs import RunLogs
 from corral.run.plan import LaunchPlan, RunSpec, build_plan, ds_config_notes, job_sets
-from corral.run.preflight import choose_master, local_disk_warning, node_facts, preflight
+from corral.run.preflight import choose_master, node_facts, preflight
 from corral.run.record import error_record, failure_record, one_line, plan_record
+from corral.run.recovery import Recovery, RecoveryOptions, hosts_in_error
 from corral.run.result import RunResult, diagnose_failure, env_hint
 from corral.run.scriptcheck import script_checks
 from corral.run.watch import Failure, JobWatch, Sink, node_notice
@@ -102,6 +103,8 @@ class RunOptions:
     #: Turn PyTorch's collective flight recorder on in every rank; its dumps
     #: are gathered into the run directory on a hang or failure (``--no-flight-recorder``).
     flight_recorder: bool = True
+    #: --min-nodes, --rejoin-timeout, --checkpoint-dir (run/recovery.py).
+    recovery: RecoveryOptions = RecoveryOptions()
 
 
 class RunView(Sink, Protocol):
@@ -168,17 +171,19 @@ class Runner:
         head_env: Mapping[str, str],
         head_cwd: str,
     ):
-        self.cluster = cluster
         self.spec = spec
         self.options = options
         self.view: RunView = view or _NullView()
+        #: Which nodes each attempt runs on (spares held back) and whether a failure is restarted.
+        self.recovery = Recovery(cluster, options.recovery, tag=spec.run_id, max_restarts=options.max_restarts,
+                                 connect_timeout=options.connect_timeout, node_timeout=options.node_timeout,
+                                 say=self.view.message)
+        self.cluster = self.recovery.cluster
         self.head_env = head_env
         self.head_cwd = head_cwd
         self.logs: RunLogs | None = None
         self.attempt: _Attempt | None = None
         self.interrupts = 0
-        #: Whether the work dir's file system was looked at for --max-restarts.
-        self._disk_checked = False
         self._script_checked = False
         self._gloo_said = False
         #: Attempts that failed and were restarted (--max-restarts): what failed.
@@ -320,19 +325,33 @@ class Runner:
     async def _run(self) -> RunResult:
         attempts = 0
         unreachable = 0  # restarts in a row that could not reconnect
+        lost: set[str] = set()  # nodes to wait for, replace or leave out (--min-nodes, spares)
         while True:
             attempts += 1
             try:
+                if lost:  # wait for them, replace them, or go on without them
+                    assert self._wake is not None
+                    self.cluster = await self.recovery.regroup(lost, attempts, self._wake,
+                                                               lambda: bool(self.interrupts))
+                    lost = set()
                 result = await self._attempt(attempts)
             except CorralError as e:
                 if attempts == 1:
                     raise  # before the first launch: preflight's error, as it is
                 unreachable += 1
                 await self._restart_not_started(e, attempts, unreachable)
+                lost = hosts_in_error(e) if self.recovery.can_regroup else set()
                 continue
             unreachable = 0
             if result.status != "failed" or attempts > self.options.max_restarts or self.interrupts:
                 return result
+            assert self.attempt is not None
+            if not self.recovery.judge(self.attempt.watch, attempts):  # says why, once; run.json too
+                self._record(result.plan, result.status, result.failure, attempts,  # type: ignore[arg-type]
+                             exit_code=result.exit_code, left_early=result.left_early)
+                return result
+            if self.recovery.can_regroup:
+                lost = {name for name, node in self.attempt.watch.nodes.items() if node.lost}
             why = result.failure.describe() if result.failure else "failed"
             self.restarts.append({"attempt": attempts, "failure": why})
             self.view.message(f"{why}; restarting the job (restart {attempts}/{self.options.max_restarts})")
@@ -382,11 +401,9 @@ class Runner:
                 await asyncio.gather(*(s.send(op="prewarm", python=s.host.python, module=module, elastic=True,
                                               preload_modules=preload) for s in pool.sessions))
             probes = await preflight(pool, self.cluster, self.spec, self.head_cwd, warn=ui.notice)
-            if self.options.max_restarts and not self._disk_checked:
-                self._disk_checked = True
-                note = local_disk_warning(probes)
-                if note:
-                    ui.notice(note)
+            note = await self.recovery.disk_notice(pool, probes, self.spec, self.head_cwd)
+            if note:
+                ui.notice(note)
             port = self.spec.master_port or probes[pool.sessions[0].name].get("port")
             master = await choose_master(pool, probes, int(port))
             facts = node_facts(pool, probes, master, warn=(lambda _: None) if self._gloo_said else ui.notice,
@@ -431,6 +448,7 @@ class Runner:
                     hint="run the command again (it draws a new id)", exit_code=EXIT_INFRA) from None
         watch = JobWatch(plan, sinks=[_LogSink(self.logs), self.view])
         self.attempt = _Attempt(plan=plan, watch=watch, pool=pool)
+        self.recovery.started(plan, number)
         self._record(plan, "running", None, number)
         try:
             await self._start(pool, plan, number)
@@ -447,7 +465,7 @@ class Runner:
 
         async def one(node) -> None:
             # which run of the job this is: a script resumes from its checkpoint after a restart
-            env = dict(node.env, CORRAL_ATTEMPT=str(number), CORRAL_MAX_RESTARTS=str(self.options.max_restarts))
+            env = dict(node.env, **self.recovery.env(number))
             spec = {
                 "argv": list(node.argv),
                 "env": env,
@@ -608,6 +626,7 @@ class Runner:
             "restarts": list(self.restarts),
             "control": str(self.control) if status == "running" else None,
             "failure": failure_record(failure, left_early) if error is None else error_record(*error),
+            **self.recovery.record(),
         })
 
 

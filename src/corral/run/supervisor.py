@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from corral.errors import CorralError, PreflightError
-from corral.model import Cluster, Host
+from corral.model import Cluster
+from corral.run.jobcodec import from_json, to_json
 from corral.run.plan import RunSpec, env_from_head
 from corral.run.runner import Runner, RunOptions
 
@@ -45,16 +46,11 @@ PATH_OPTIONS = frozenset({"identityfile", "userknownhostsfile", "globalknownhost
 
 
 def cluster_to_json(cluster: Cluster) -> dict[str, Any]:
-    return {**{f.name: getattr(cluster, f.name) for f in dataclasses.fields(cluster) if f.name != "hosts"},
-            "env": dict(cluster.env), "ssh_options": list(cluster.ssh_options),
-            "hosts": [{**dataclasses.asdict(h), "env": dict(h.env)} for h in cluster.hosts]}
+    return to_json(cluster)
 
 
 def cluster_from_json(data: Mapping[str, Any]) -> Cluster:
-    hosts = tuple(Host(**{**h, "labels": tuple(h.get("labels", ())), "ssh_options": tuple(h.get("ssh_options", ()))})
-                  for h in data["hosts"])
-    rest = {k: v for k, v in data.items() if k != "hosts"}
-    return Cluster(hosts=hosts, **{**rest, "ssh_options": tuple(rest.get("ssh_options", ()))})
+    return from_json(Cluster, data)
 
 
 def job_document(cluster: Cluster, spec: RunSpec, options: RunOptions, *, head_env: Mapping[str, str],
@@ -65,11 +61,9 @@ def job_document(cluster: Cluster, spec: RunSpec, options: RunOptions, *, head_e
     env = env_from_head(head_env)
     if cluster.is_local and "CUDA_VISIBLE_DEVICES" in head_env:
         env["CUDA_VISIBLE_DEVICES"] = head_env["CUDA_VISIBLE_DEVICES"]  # this machine's own choice
-    spec_d = {**dataclasses.asdict(spec), "env": dict(spec.env), "args": list(spec.args),
-              "launcher_args": list(spec.launcher_args)}
-    opts = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "runs_dir"}
-    opts["shown_ranks"] = None if options.shown_ranks is None else sorted(options.shown_ranks)
-    return {"cluster": cluster_to_json(cluster), "spec": spec_d, "options": opts, "head_env": env,
+    opts = to_json(options)
+    del opts["runs_dir"]  # node 0 keeps the run in the job's own directory
+    return {"cluster": cluster_to_json(cluster), "spec": to_json(spec), "options": opts, "head_env": env,
             "head_cwd": head_cwd, "user": os.environ.get("USER") or str(os.getuid())}
 
 
@@ -156,11 +150,9 @@ def main(jobdir: str) -> int:
     job = json.loads((where / "job.json").read_text())
     user_cluster = cluster_from_json(job["cluster"])
     cluster = node0_view(user_cluster)
-    spec_d = job["spec"]
-    spec = RunSpec(**{**spec_d, "args": tuple(spec_d["args"]), "launcher_args": tuple(spec_d["launcher_args"])})
-    opts = dict(job["options"])
-    shown = opts.pop("shown_ranks")
-    options = RunOptions(runs_dir=where, shown_ranks=None if shown is None else frozenset(shown), **opts)
+    spec = from_json(RunSpec, job["spec"])
+    options = from_json(RunOptions, {**job["options"], "runs_dir": str(where)})
+    shown = options.shown_ranks
     view = RunConsole(multi_host=len(cluster.hosts) > 1, status_ranks=None if shown is None else set(shown),
                       out=sys.stderr, color=False)
     runner = SupervisedRunner(cluster, spec, options, view=view, head_env=job["head_env"],
