@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "diagnose": ("corral.cli.diagnose", "diagnose", "Explain a failed run's log: likely cause and fix."),
     "stacks": ("corral.cli.stacks", "stacks", "Dump the Python stack of every rank of a running job."),
     "runs": ("corral.cli.runs", "runs", "List past runs and where their logs are."),
+    "top": ("corral.cli.top", "top", "Live GPUs, ranks and links of a run on every node; stragglers flagged."),
+    "report": ("corral.cli.report", "report", "Write a run's report: one HTML page with timeline and plots."),
     "sandbox": ("corral.cli.sandbox", "sandbox", "A simulated multi-node cluster on this machine."),
 }
 

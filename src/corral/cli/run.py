@@ -84,6 +84,9 @@ from corral.run.scriptcheck import (
               help="Start every rank as a new Python interpreter, as plain torchrun does. By default "
                    "(torchrun, accelerate) ranks are forked from one that has already imported torch, when "
                    "nothing they start with would differ; see docs/run.md, 'Preloaded ranks'.")
+@click.option("--no-telemetry", is_flag=True,
+              help="Do not sample GPUs, ranks and links once a second (for `corral top` and `corral report`; "
+                   "docs/telemetry.md).")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where run directories go. Default: $CORRAL_RUNS_DIR, else ./runs, else (./runs not "
                    "writable) $XDG_STATE_HOME/corral/runs, with a line saying so.")
@@ -108,6 +111,7 @@ def run(
     hang_timeout: float | None,
     launcher_args: tuple[str, ...],
     fresh_ranks: bool,
+    no_telemetry: bool,
     runs_dir: Path | None,
     sync_first: bool,
     dry_run: bool,
@@ -172,6 +176,7 @@ def run(
         node_timeout=node_timeout, hang_timeout=hang_timeout,
         **({} if grace is None else {"grace": grace, "interrupt_grace": grace}),
         shown_ranks=None if status_ranks is None else frozenset(status_ranks),
+        telemetry=not no_telemetry,
     )
     # --json: stdout is the result object alone; the ranks' output goes to stderr
     view = RunConsole(multi_host=len(cluster.hosts) > 1, status_ranks=status_ranks,

@@ -55,6 +55,7 @@ from corral.run.preflight import choose_master, local_disk_warning, node_facts, 
 from corral.run.record import error_record, failure_record, one_line, plan_record
 from corral.run.result import RunResult, diagnose_failure, env_hint
 from corral.run.scriptcheck import script_checks
+from corral.run.telemetry import TelemetryFiles
 from corral.run.watch import Failure, JobWatch, Sink, node_notice
 
 #: Launchers whose per-node process is torchrun's elastic agent, and the module
@@ -97,6 +98,9 @@ class RunOptions:
     #: world size is known only once every node's GPUs are counted, so a rank
     #: that does not exist is refused here, before anything starts.
     shown_ranks: frozenset[int] | None = None
+    #: Each node samples its GPUs, ranks and links once a second into the
+    #: run directory (``corral top``, ``corral report``); --no-telemetry: off.
+    telemetry: bool = True
 
 
 class RunView(Sink, Protocol):
@@ -184,6 +188,7 @@ class Runner:
         self.hang_stacks: tuple[str, ...] = ()
         self._wake: asyncio.Event | None = None
         self.started = time.time()
+        self.tm_files: TelemetryFiles | None = None
 
     # -- signals -----------------------------------------------------------
 
@@ -208,6 +213,11 @@ class Runner:
     # -- events ------------------------------------------------------------
 
     def _on_event(self, session: AgentSession, ev: dict) -> None:
+        if ev.get("ev") == "tm":
+            if self.logs is not None:
+                self.tm_files = self.tm_files or TelemetryFiles(self.logs.dir, on_error=self.view.message)
+                self.tm_files.write(session.name, ev)
+            return
         notice = node_notice(session.name, ev, interrupted=bool(self.interrupts))
         if notice:
             self.view.message(notice)
@@ -233,6 +243,8 @@ class Runner:
                 loop.remove_signal_handler(sig)
             if self.logs is not None:
                 self.logs.close()
+            if self.tm_files is not None:
+                self.tm_files.close()
 
     async def _control_request(self, request: str) -> dict:
         """`corral stacks RUN` from another process."""
@@ -422,6 +434,7 @@ class Runner:
                 "tag": f"{plan.run_id}-{number}",
                 "keep_tmp": self.options.keep_node_tmp,
                 "preload": self.spec.preload and self.spec.launcher in PREWARMED,
+                "telemetry": self.options.telemetry,
             }
             session = pool[node.host.name]
             session.ranks = node.ranks  # a frame for any other rank is a protocol error
