@@ -7,8 +7,9 @@ The definitions (also in docs/telemetry.md):
 - a rank is *behind* in a window when its progress (the rate of its
   progress bar, when all its peers have one in the same unit; else the lines
   it writes per second) or its CPU use is below ``BEHIND`` times the median
-  of its peers' (the job's other ranks); a GPU is behind when its
-  utilisation is below ``BEHIND`` times the median of the other GPUs';
+  of its peers' (the job's other ranks; CPU only where that median is
+  ``BUSY_CPU`` % or more); a GPU is behind when its utilisation is below
+  ``BEHIND`` times the median of the other GPUs' that are not idle;
 - a *straggler* is behind *persistently*: in each of the ``PERSIST``
   windows ending at the moment and at each of the ``PERSIST - 1`` seconds
   before it, with at least ``MIN_SAMPLES`` samples in each;
@@ -32,6 +33,7 @@ PERSIST = 5
 MIN_SAMPLES = 5
 BEHIND = 0.5
 IDLE_UTIL = 5.0
+BUSY_CPU = 25.0
 SATURATED = 0.9
 
 
@@ -108,16 +110,23 @@ def gpu_figures(by_host: Mapping[str, Sequence[Sample]], end: float) -> dict[str
     return {"GPU util %": figs} if figs else {}
 
 
+#: Below these, a figure says nothing about speed: an idle GPU (flagged as
+#: such) is no peer, and ranks mostly waiting (on I/O, on a GPU) are not
+#: compared by CPU.
+FLOOR = {"GPU util %": IDLE_UTIL, "CPU %": BUSY_CPU}
+
+
 def behind(figures: Mapping[str, list[_Figure]]) -> dict[tuple[str, str], str]:
     """(host, what) -> why, for each rank or GPU behind its peers in this window."""
     out: dict[tuple[str, str], str] = {}
     for measure, figs in figures.items():
+        floor = FLOOR.get(measure, 0.0)
         for f in figs:
-            peers = [p.value for p in figs if p is not f]
-            if not peers or f.count < MIN_SAMPLES:
+            peers = [p.value for p in figs if p is not f and p.value >= floor]
+            if not peers or f.count < MIN_SAMPLES or (floor and f.value < floor and measure != "CPU %"):
                 continue
             median = statistics.median(peers)
-            if median > 0 and f.value < BEHIND * median:
+            if median > 0 and median >= floor and f.value < BEHIND * median:
                 key = (f.host, f.what)
                 why = f"{measure} {f.value:.3g} vs its peers' median {median:.3g}"
                 out[key] = f"{out[key]}; {why}" if key in out else why
