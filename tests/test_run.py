@@ -854,3 +854,24 @@ def test_processes_per_node_follow_the_jobs_cuda_visible_devices(tmp_path: Path)
                  tmp_path, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.findall(r"seen \d+ .*", res.stdout) == ["seen 2 '0,1'"] * 2
+
+
+def test_telemetry_is_recorded_per_node_unless_turned_off(tmp_path: Path) -> None:
+    write(tmp_path / "steps.py", """\
+        import time
+        for i in range(25):
+            print("step", i, flush=True)
+            time.sleep(0.1)
+        """)
+    for flags, expect in (([], True), (["--no-telemetry"], False)):
+        runs = tmp_path / f"runs{len(flags)}"
+        res = corral(["run", "--runs-dir", str(runs), "--launcher", "command", *flags, sys.executable, "steps.py"],
+                     tmp_path)
+        assert res.returncode == 0, res.stderr
+        (run,) = runs.iterdir()
+        files = list((run / "telemetry").glob("*.jsonl")) if (run / "telemetry").exists() else []
+        assert bool(files) == expect, files
+        if expect:
+            samples = [json.loads(line) for line in files[0].read_text().splitlines()]
+            assert samples and all(s["ev"] == "tm" and s["at"] > 0 for s in samples)
+            assert any(r[0] == 0 and (r[3] or 0) > 0 for s in samples for r in s.get("rank", [])), samples

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from corral.agent.telemetry import (
     CountingChannel,
@@ -202,3 +205,23 @@ def test_a_telemetry_frame_is_checked_where_it_enters() -> None:
     assert refused(nic=[["eth0 <b>", 1, 2, None]])
     assert refused(rank=[[4, 1, 2, 3, 4.0, "it/s;rm"]])
     assert refused(t=float("nan")) and refused(t="now")
+
+
+@pytest.mark.gpu
+def test_real_gpu_figures_from_the_nodes_nvidia_smi() -> None:
+    reader = GpuReader(shutil.which("nvidia-smi") or "nvidia-smi")
+    reader.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not reader.latest and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rows = dict(reader.latest)
+    finally:
+        reader.stop()
+    assert rows, "nvidia-smi gave no GPU row"
+    for index, (i, util, mem, total, power, temp, sm, throttle) in rows.items():
+        assert i == index and 0 <= util <= 100 and 0 <= mem <= total and total > 1000
+        assert temp is None or 0 < temp < 120
+        assert sm is None or sm > 0
+        assert throttle is None or throttle >= 0
+    assert check_frame(json.dumps({"ev": "tm", "t": 1.0, "gpu": list(rows.values())}).encode(), None)

@@ -139,28 +139,50 @@ def proc_usage(pid: int):
     return (int(rest[11]) + int(rest[12])) / _TICK, int(rest[21]) * _PAGE
 
 
-def tree_usage(pid: int, children: dict):
+def tree_usage(pid: int, children):
     """(CPU seconds, resident bytes) of ``pid`` and every process under it
-    (a rank's DataLoader workers count as the rank's)."""
+    (a rank's DataLoader workers count as the rank's); ``children(pid)``
+    lists a process's children."""
     total_cpu = total_rss = 0
     found = False
     stack = [pid]
+    seen = set()
     while stack:
         p = stack.pop()
+        if p in seen:
+            continue
+        seen.add(p)
         usage = proc_usage(p)
         if usage is not None:
             found = True
             total_cpu += usage[0]
             total_rss += usage[1]
-        stack.extend(children.get(p, ()))
+            stack.extend(children(p))
     return (total_cpu, total_rss) if found else None
 
 
-def children_map() -> dict:
-    children: dict = {}
+def proc_children(pid: int) -> list:
+    """The children of ``pid``'s main thread (``/proc/PID/task/PID/children``:
+    a few reads per rank, not a scan of every process of the node); None where
+    the kernel has no such file (CONFIG_PROC_CHILDREN off)."""
+    try:
+        with open("/proc/%d/task/%d/children" % (pid, pid)) as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return []
+
+
+def children_lookup():
+    """A ``children(pid)`` function: the kernel's own lists where it keeps
+    them, else one scan of /proc per sample."""
+    if proc_children(os.getpid()) is not None:
+        return lambda pid: proc_children(pid) or []
+    table: dict = {}
     for pid, ppid in _ppid_map().items():
-        children.setdefault(ppid, []).append(pid)
-    return children
+        table.setdefault(ppid, []).append(pid)
+    return lambda pid: table.get(pid, ())
 
 
 # -- network -------------------------------------------------------------------
@@ -335,7 +357,7 @@ class Telemetry(threading.Thread):
     def rank_rows(self, dt) -> list:
         """``[rank, CPU %, RSS MiB, lines/s, bar rate, bar unit]`` per rank."""
         pids = dict(self.pids())
-        children = children_map() if pids else {}
+        children = children_lookup() if pids else None
         rows = []
         for rank in sorted(set(pids) | set(self.chan.lines)):
             usage = tree_usage(pids[rank], children) if rank in pids else None
