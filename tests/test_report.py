@@ -38,15 +38,15 @@ def failed_run(root: Path) -> Path:
                 "nic": [["eth0", 1e6 * i, 2e6, 10000], ["mlx5_0/1", 5e9, 5e9, 200000]]})
         # as the head's writer names and fills it (run/telemetry.py), times chosen
         (folder / f"{_safe(host['name'])}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    (run / "node1").mkdir()
-    (run / "node1" / "rank3.log").write_text(
+    (run / _safe(hosts[1]["name"])).mkdir()
+    (run / _safe(hosts[1]["name"]) / "rank3.log").write_text(
         "step 1\nTraceback (most recent call last):\n  File \"/w/train.py\", line 9, in <module>\n"
         f"    boom()\nRuntimeError: CUDA out of memory. {HOSTILE}\n")
     (run / "run.json").write_text(json.dumps({
         "run_id": run.name, "launcher": "torchrun", "program": "train.py", "args": [HOSTILE], "world_size": 4,
         "status": "failed", "exit_code": 1, "started": 995.0, "ended": 1021.0, "attempts": 2,
         "restarts": [{"attempt": 1, "failure": f"rank 1 failed {HOSTILE}"}], "hosts": hosts,
-        "failure": {"host": "node1", "rank": 3, "kind": "exit", "exception": f"RuntimeError: {HOSTILE}",
+        "failure": {"host": hosts[1]["name"], "rank": 3, "kind": "exit", "exception": f"RuntimeError: {HOSTILE}",
                     "description": f"rank 3 on node1 failed: RuntimeError: {HOSTILE}"}}))
     (run / "flightrec.json").write_text(json.dumps({"summary": f"rank 5 never entered all_reduce #40 {HOSTILE}"}))
     return run
@@ -63,6 +63,7 @@ def test_the_page_escapes_everything_from_the_run_directory(tmp_path: Path) -> N
     assert "straggler: gpu 0 on node2" in html.unescape(page)  # 30% where its peers run at 90%
     assert "rank 5 never entered all_reduce #40" in page  # the flight recorder's analysis
     assert "CUDA out of memory" in page  # the diagnosis of the failed rank's log
+    assert 'class="mark mark-failure"' in page  # where the failed rank is on the timeline
 
 
 def test_without_telemetry_or_flight_recorder_the_page_says_so(tmp_path: Path) -> None:

@@ -174,7 +174,7 @@ def screen(record: RunRecord, by_host: dict[str, list[Sample]], end: float, stat
         for n in _busy_nics(s, marks):
             table.add_row(name, n.name, "", "", "", "", "", "", _rate(n.rx), _rate(n.tx),
                           Text(marks.get((host, n.name), ""), style="bold red"))
-    ages = [end - s.at for s in now.values()]
+    ages = [time.time() - s.at for s in now.values()]  # (a live run: the head's clock, as ``at``)
     head = Text(f"corral top  run {_plain(record.run_id)}  {status}  {len(now)} node(s)"
                 + (f"  newest sample {min(ages):.0f} s old" if ages and status == "running" else ""), style="bold")
     lines = [Text("  " + _plain(f.text()), style="red") for f in found] or [
