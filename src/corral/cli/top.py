@@ -74,16 +74,17 @@ def _last(follower: Follower) -> float:
 
 def _live(record: RunRecord, follower: Follower) -> None:
     con = ui.console()
-    with Live(screen(record, follower.samples, _last(follower), "running"), console=con, screen=True,
-              auto_refresh=False) as live:
+    last = screen(record, follower.samples, _last(follower), "running")
+    with Live(last, console=con, screen=True, auto_refresh=False) as live:
         while True:
             time.sleep(REFRESH_S)
             follower.poll()
             current = find_run(record.dir.parent, str(record.dir))
-            live.update(screen(record, follower.samples, _last(follower), current.status), refresh=True)
+            last = screen(record, follower.samples, _last(follower), current.status)
+            live.update(last, refresh=True)
             if current.status != "running":
-                time.sleep(REFRESH_S)
-                return
+                break
+    con.print(last)  # the run ended: its last screen stays on the terminal
 
 
 def _replay(record: RunRecord, follower: Follower, speed: float) -> None:
@@ -95,11 +96,12 @@ def _replay(record: RunRecord, follower: Follower, speed: float) -> None:
         while True:
             cursor = min(first + (time.monotonic() - started) * speed, last)
             label = f"replay {cursor - first:.0f}/{last - first:.0f} s at {speed:g}x"
-            live.update(screen(record, follower.samples, cursor, label), refresh=True)
+            shown = screen(record, follower.samples, cursor, label)
+            live.update(shown, refresh=True)
             if cursor >= last:
-                time.sleep(2 * REFRESH_S)
-                return
+                break
             time.sleep(min(REFRESH_S, 1.0 / speed * 2))
+    con.print(shown)  # the end of the replay stays on the terminal
 
 
 # -- what is shown -------------------------------------------------------------
