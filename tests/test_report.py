@@ -98,3 +98,14 @@ def test_the_report_renders_in_a_headless_browser_with_its_plots(tmp_path: Path)
     dom = subprocess.run(browser + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
     assert dom.count("<polyline") >= 6 and dom.count("<svg") >= 5
     assert "<script" not in dom and "Timeline" in dom
+
+
+def test_a_run_record_of_the_wrong_shapes_still_gives_a_page(tmp_path: Path) -> None:
+    run = failed_run(tmp_path)
+    (run / "run.json").write_text(json.dumps({
+        "hosts": [{"name": 5, "ranks": "ab"}, {"name": "h", "ranks": [1, "2", True]}], "status": {"a": 1},
+        "failure": {"rank": "1", "host": ["x"]}, "restarts": [1, {"attempt": {}}], "started": 1e308, "ended": -5}))
+    page = build(run)
+    assert page.endswith("</html>\n") and "<polyline" in page
+    (run / "run.json").write_text("[1, 2]")
+    assert build(run).endswith("</html>\n")

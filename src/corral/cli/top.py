@@ -43,6 +43,9 @@ def top(run: str | None, runs_dir: Path | None, once: bool, as_json: bool, speed
     is replayed (--speed).  Ctrl-C leaves.
     """
     record = find_run(runs_dir or default_root(Path.cwd()).path, run)
+    if not isinstance(record.data, dict):
+        raise UsageError(f"{record.dir / 'run.json'} is not a run's record (not a JSON object)",
+                         hint="give the directory of a run `corral run` wrote; `corral runs` lists them")
     follower = Follower(record.dir, record.data)
     follower.poll()
     running = record.status == "running"

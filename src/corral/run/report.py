@@ -51,11 +51,15 @@ def _e(value: Any) -> str:
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if type(value) in (int, float) else None
+    """A time from run.json: seconds since 1970, within reason (else None)."""
+    return float(value) if type(value) in (int, float) and 0 < value < 1e11 else None
 
 
 def _when(ts: float | None) -> str:
-    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    try:
+        return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return "-"
 
 
 def build(run_dir: Path) -> str:
