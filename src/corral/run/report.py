@@ -5,7 +5,8 @@ its timeline per node and rank (start, first output, progress, failure, end,
 restarts), per node telemetry plots (GPU utilisation and memory, network
 throughput, CPU per rank), the stragglers, idle GPUs and saturated links
 seen over the run, the failure and its diagnosis (``corral.diagnose``), and
-the flight-recorder analysis when one was written (``flightrec*.json``).
+the flight-recorder analysis when there is one (``corral diagnose``'s, and
+any ``flightrec*.json`` of the run).
 
 The page loads nothing: plots are inline SVG, there is no script, and a
 Content-Security-Policy forbids anything else.  Everything read from the run
@@ -79,8 +80,9 @@ def build(run_dir: Path) -> str:
                                          '<p class="muted">No telemetry in this run directory (it ran with '
                                          '--no-telemetry, or ended before the first sample).</p>'))
     parts.append(_flags(samples))
-    parts.append(_diagnosis(run_dir, record))
-    parts.append(_flightrec(run_dir))
+    report, why = _diagnose(run_dir)
+    parts.append(_diagnosis(record, report, why))
+    parts.append(_flightrec(run_dir, report))
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
             f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
             f"<title>corral run {_e(record.get('run_id') or run_dir.name)}</title><style>{_STYLE}</style></head>"
@@ -215,19 +217,25 @@ def _flags(samples: dict[str, list[Sample]]) -> str:
         for at, f in sorted(seen.values(), key=lambda v: v[0])) + "</ul>"
 
 
-def _diagnosis(run_dir: Path, record: dict) -> str:
+def _diagnose(run_dir: Path) -> tuple[Any, str | None]:
+    """``corral diagnose``'s reading of the run directory, or why there is none."""
+    try:
+        from corral.diagnose.rundir import diagnose_run
+
+        return diagnose_run(run_dir), None
+    except Exception as e:  # noqa: BLE001 - the page is still worth having without it
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _diagnosis(record: dict, report: Any, why: str | None) -> str:
     failure = record.get("failure") if isinstance(record.get("failure"), dict) else None
     if failure is None and record.get("status") in ("succeeded", "running"):
         return ""
     out = ["<h2>Failure and diagnosis</h2>"]
     if failure:
         out.append(f"<p><b>{_e(failure.get('description') or failure.get('kind'))}</b></p>")
-    try:
-        from corral.diagnose.rundir import diagnose_run
-
-        report = diagnose_run(run_dir)
-    except Exception as e:  # noqa: BLE001 - the page is still worth having without it
-        out.append(f'<p class="muted">The logs could not be diagnosed: {_e(type(e).__name__)}: {_e(e)}</p>')
+    if report is None:
+        out.append(f'<p class="muted">The logs could not be diagnosed: {_e(why)}</p>')
         return "".join(out)
     if report.first_error is not None:
         fe = report.first_error
@@ -242,9 +250,14 @@ def _diagnosis(run_dir: Path, record: dict) -> str:
     return "".join(out)
 
 
-def _flightrec(run_dir: Path) -> str:
-    """The flight-recorder analysis a run wrote (``flightrec*.json``), if any."""
+def _flightrec(run_dir: Path, report: Any) -> str:
+    """The flight-recorder analysis: ``corral diagnose``'s (where it reads the
+    ranks' dumps), and any ``flightrec*.json`` the run wrote."""
     out = []
+    analysis = getattr(report, "flightrec", None)
+    if analysis is not None:
+        data = analysis.to_dict() if hasattr(analysis, "to_dict") else analysis
+        out.append(f"<pre>{_e(json.dumps(data, indent=2, default=str))}</pre>")
     for path in sorted(run_dir.glob("flightrec*.json"))[:4]:
         if path.is_symlink() or not path.is_file():
             continue
