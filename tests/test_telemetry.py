@@ -225,3 +225,35 @@ def test_real_gpu_figures_from_the_nodes_nvidia_smi() -> None:
         assert sm is None or sm > 0
         assert throttle is None or throttle >= 0
     assert check_frame(json.dumps({"ev": "tm", "t": 1.0, "gpu": list(rows.values())}).encode(), None)
+
+
+def test_nvidia_smi_never_outlives_a_killed_agent(tmp_path: Path) -> None:
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nwhile true; do cat {FIXTURES / 'nvidia-smi-query.csv'}; sleep 1; done\n")
+    smi.chmod(0o755)
+    agent = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from corral.agent.telemetry import GpuReader
+r = GpuReader({str(smi)!r}); r.start()
+while not r.latest: time.sleep(0.05)
+print(r.proc.pid, flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    pid = int(agent.stdout.readline())  # type: ignore[union-attr]
+    agent.kill()  # SIGKILL: no teardown code runs
+    agent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    left = _alive(pid)
+    if left:
+        os.kill(pid, 9)  # (the test leaves nothing behind either)
+    assert not left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

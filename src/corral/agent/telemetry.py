@@ -19,14 +19,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
 
 try:  # on a node, modules are installed under their wire names
-    from corral_agent_proctree import _ppid_map
+    from corral_agent_proctree import _ppid_map, libc_prctl
 except ImportError:  # imported as part of the corral package (tests, head)
-    from corral.agent.proctree import _ppid_map
+    from corral.agent.proctree import _ppid_map, libc_prctl
 
 #: Seconds between samples.
 SAMPLE_S = 1.0
@@ -89,6 +90,13 @@ class GpuReader(threading.Thread):
         self.latest: dict = {}
         self.proc = None
         self.stopped = threading.Event()
+        self._prctl = libc_prctl()
+
+    def _die_with_reader(self) -> None:  # pragma: no cover - runs between fork and exec
+        """nvidia-smi ends with this thread (PR_SET_PDEATHSIG), even when the
+        agent is killed with SIGKILL: it must never outlive the job."""
+        if self._prctl is not None:
+            self._prctl(1, signal.SIGKILL, 0, 0, 0)
 
     def run(self) -> None:
         for query in GPU_QUERIES:
@@ -98,7 +106,7 @@ class GpuReader(threading.Thread):
                 self.proc = subprocess.Popen(
                     [self.smi, "--query-gpu=" + query, "--format=csv,noheader,nounits", "-l", "1"],
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                    close_fds=True)
+                    close_fds=True, preexec_fn=self._die_with_reader)  # noqa: PLW1509 - only a prctl call
             except OSError:
                 return
             got = False
