@@ -184,7 +184,8 @@ def screen(record: RunRecord, by_host: dict[str, list[Sample]], end: float, stat
                 + (f"  newest sample {min(ages):.0f} s old" if ages and status == "running" else ""), style="bold")
     lines = [Text("  " + _plain(f.text()), style="red") for f in found] or [
         Text(f"  no stragglers, idle GPUs or saturated links in the last {WINDOW_S:.0f} s", style="dim")]
-    return Group(head, table, Text(""), *lines)
+    # the flags first: on a screen shorter than the table, its end is what is cut
+    return Group(head, *lines, Text(""), table)
 
 
 def snapshot(record: RunRecord, by_host: dict[str, list[Sample]], end: float) -> dict:
