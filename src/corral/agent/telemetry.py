@@ -364,7 +364,12 @@ class Telemetry(threading.Thread):
 
     def rank_rows(self, dt) -> list:
         """``[rank, CPU %, RSS MiB, lines/s, bar rate, bar unit]`` per rank."""
-        pids = dict(self.pids())
+        for _ in range(3):  # the tailer adds ranks as they start, from its own thread
+            try:
+                pids = dict(self.pids())
+                break
+            except RuntimeError:
+                pids = {}
         children = children_lookup() if pids else None
         rows = []
         for rank in sorted(set(pids) | set(self.chan.lines)):
