@@ -2,7 +2,8 @@
 # Install the system tools corral's tests drive for real: OpenSSH (client and
 # server, one sshd per sandbox node), rsync, iproute2 (ip, tc), pdsh (the
 # anchor DeepSpeed's launcher uses), iperf3 (bench), procps, and the login
-# shells nodes have besides bash (zsh, fish, tcsh: remote command lines).
+# shells nodes have besides bash (zsh, fish, tcsh: remote command lines),
+# tmux and Debian's chromium (the `top` and `report` tests).
 # Idempotent: only installs what is missing.  Needs root (or sudo) and apt.
 set -euo pipefail
 need=()
@@ -16,6 +17,9 @@ command -v iperf3 >/dev/null 2>&1 || need+=(iperf3)
 command -v ps >/dev/null 2>&1 || need+=(procps)
 for sh in zsh fish tcsh; do command -v $sh >/dev/null 2>&1 || need+=($sh); done
 command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need+=(iptables)
+# `corral top` is read from a tmux screen; `corral report` is rendered in a headless Chromium
+command -v tmux >/dev/null 2>&1 || need+=(tmux)
+command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || need+=(chromium)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

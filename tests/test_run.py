@@ -138,7 +138,8 @@ def test_a_very_long_line_stays_one_line_in_the_rank_log(tmp_path: Path) -> None
     """)
     res = corral(["run", "--ranks", "all", "long.py"], tmp_path)
     assert res.returncode == 0, res.stderr
-    [host_dir] = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()][0].glob("*/")
+    run = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()][0]
+    [host_dir] = [d for d in run.glob("*/") if d.name != "telemetry"]  # (the nodes' samples)
     lines = (host_dir / "rank1.log").read_text(encoding="utf-8").splitlines()
     assert json.loads(lines[0]) == {"rank": "1", "v": "\u00e9x" * 150000}
     assert lines[1] == "after 1"
@@ -931,3 +932,24 @@ def test_gpus_picks_a_subset_names_a_gpu_the_node_lacks_and_warns_of_busy_ones(t
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_telemetry_is_recorded_per_node_unless_turned_off(tmp_path: Path) -> None:
+    write(tmp_path / "steps.py", """\
+        import time
+        for i in range(25):
+            print("step", i, flush=True)
+            time.sleep(0.1)
+        """)
+    for flags, expect in (([], True), (["--no-telemetry"], False)):
+        runs = tmp_path / f"runs{len(flags)}"
+        res = corral(["run", "--runs-dir", str(runs), "--launcher", "command", *flags, sys.executable, "steps.py"],
+                     tmp_path)
+        assert res.returncode == 0, res.stderr
+        (run,) = runs.iterdir()
+        files = list((run / "telemetry").glob("*.jsonl")) if (run / "telemetry").exists() else []
+        assert bool(files) == expect, files
+        if expect:
+            samples = [json.loads(line) for line in files[0].read_text().splitlines()]
+            assert samples and all(s["ev"] == "tm" and s["at"] > 0 for s in samples)
+            assert any(r[0] == 0 and (r[3] or 0) > 0 for s in samples for r in s.get("rank", [])), samples

@@ -127,6 +127,40 @@ def _opt_rank(v: Any, ranks: range | None) -> bool:
     return v is None or _rank(v, ranks)
 
 
+def _opt_num(v: Any, _: range | None) -> bool:
+    return v is None or _num(v, None)
+
+
+#: A telemetry sample's rows (``corral.agent.telemetry``): per GPU [index,
+#: util %, memory MiB, memory total MiB, power W, temperature C, SM MHz,
+#: throttle bits]; per rank [rank, CPU %, RSS MiB, lines/s, bar rate, bar
+#: unit]; per interface [name, received B/s, sent B/s, link Mbit/s].
+MAX_TM_GPUS = 64
+MAX_TM_RANKS = 1024
+MAX_TM_NICS = 16
+_NIC_NAME = re.compile(r"[A-Za-z0-9_.:@/-]{1,64}")
+_UNIT = re.compile(r"[A-Za-z]{1,12}")
+
+
+def _rows(limit: int, row: Callable[[Any, range | None], bool]) -> Check:
+    return lambda v, r: type(v) is list and len(v) <= limit and all(type(x) is list and row(x, r) for x in v)
+
+
+def _gpu_row(x: list, _: range | None) -> bool:
+    return (len(x) == 8 and _int(x[0], None) and 0 <= x[0] < MAX_TM_GPUS and all(_opt_num(v, None) for v in x[1:7])
+            and (x[7] is None or _int(x[7], None)))
+
+
+def _rank_row(x: list, ranks: range | None) -> bool:
+    return (len(x) == 6 and _rank(x[0], ranks) and all(_opt_num(v, None) for v in x[1:5])
+            and (x[5] is None or (type(x[5]) is str and _UNIT.fullmatch(x[5]) is not None)))
+
+
+def _nic_row(x: list, _: range | None) -> bool:
+    return (len(x) == 4 and type(x[0]) is str and _NIC_NAME.fullmatch(x[0]) is not None
+            and all(_opt_num(v, None) for v in x[1:]))
+
+
 #: Per event type: field -> (check, required).  ``ev`` itself is implied.
 #: ``closed`` is not here: the head makes it itself when a channel ends, and a
 #: node that sends one (to have itself declared lost) breaks the protocol.
@@ -152,6 +186,8 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
     # as untrusted data (``diagnose/flightrec.py``), never unpickled freely.
     "flightrec": {"r": (_rank, True), "pid": (_opt_int, False), "name": (_text(MAX_NAME), True),
                   "fmt": (_one_of("json", "pickle"), True), "data": (_text(MAX_FRAME), True)},
+    "tm": {"t": (_num, True), "gpu": (_rows(MAX_TM_GPUS, _gpu_row), False),
+           "rank": (_rows(MAX_TM_RANKS, _rank_row), False), "nic": (_rows(MAX_TM_NICS, _nic_row), False)},
 }
 
 

@@ -20,6 +20,7 @@ NODE_MODULES = {
     "corral_agent_links": "links.py",
     "corral_agent_proctree": "proctree.py",
     "corral_agent_relay": "relay.py",
+    "corral_agent_telemetry": "telemetry.py",
     "corral_agent_prescan": "prescan.py",
     "corral_agent_jobenv": "jobenv.py",
     "corral_agent_private": "private.py",

@@ -20,7 +20,8 @@ What it is for:
 Protocol, one JSON object per line.  Head -> agent: ``{"op": ...}`` with ops
 ``start``, ``stop``, ``signal``, ``call``, ``ping``, ``bye``.  Agent -> head:
 ``{"ev": ...}`` with events ``hello``, ``hb``, ``line``, ``status``,
-``started``, ``rank_exit``, ``exit``, ``result``, ``log``, ``fatal``.
+``started``, ``rank_exit``, ``exit``, ``result``, ``log``, ``fatal``, ``tm``
+(telemetry, once a second while a job runs; see ``telemetry.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ try:  # on a node, modules are installed under their wire names
         reap_orphans,
     )
     from corral_agent_relay import Channel, RankTailer, Relay, pump_pipe
+    from corral_agent_telemetry import Telemetry
 except ImportError:  # imported as part of the corral package (tests, head)
     from corral.agent.flightrec import job_env as flightrec_env
     from corral.agent.flightrec import request as flightrec_request
@@ -70,6 +72,7 @@ except ImportError:  # imported as part of the corral package (tests, head)
         reap_orphans,
     )
     from corral.agent.relay import Channel, RankTailer, Relay, pump_pipe
+    from corral.agent.telemetry import Telemetry
 
 PROTOCOL = 1
 
@@ -139,6 +142,7 @@ class Agent:
         self.head_timeout = DEFAULT_HEAD_TIMEOUT_S
         self.proc = None
         self.tailer = None
+        self.telemetry = None
         self.pumps: list = []
         self.pipe_relays: list = []
         self.prewarmed = None
@@ -247,9 +251,11 @@ class Agent:
                 self.job_dir.remove()
                 return
         pipe_rank = spec.get("pipe_rank")
+        self.telemetry = Telemetry(self.chan) if spec.get("telemetry") else None
+        chan = self.telemetry.chan if self.telemetry else self.chan  # counts each rank's lines
         self.pipe_relays = []
         for pipe, stream in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
-            relay = Relay(self.chan, pipe_rank, stream)
+            relay = Relay(chan, pipe_rank, stream)
             self.pipe_relays.append(relay)
             if stream == "err" and self.job_dir.note:
                 relay.feed(("corral: %s\n" % self.job_dir.note).encode())
@@ -260,8 +266,10 @@ class Agent:
             t = threading.Thread(target=pump_pipe, args=(pipe, relay), daemon=True)
             t.start()
             self.pumps.append(t)
-        self.tailer = RankTailer(self.chan, log_dir, planned_ranks(spec))
+        self.tailer = RankTailer(chan, log_dir, planned_ranks(spec))
         self.tailer.start()
+        if self.telemetry:
+            self.telemetry.begin(lambda: self.tailer.pids)
         self.chan.send(ev="started", pid=self.proc.pid)
 
     def op_prewarm(self, msg: dict) -> None:
@@ -382,6 +390,7 @@ class Agent:
         # The launcher is gone: nothing of the run may outlive it.  Say so when
         # that stops something the job started and left running (a
         # tensorboard, a server), rather than end it silently.
+        self.stop_telemetry()  # (its nvidia-smi is no leftover of the job's)
         left = leftovers() if not self.stopping else []
         if left:
             self.chan.send(ev="leftover", n=len(left), names=sorted(set(left))[:5])
@@ -405,6 +414,11 @@ class Agent:
         self.proc = None
         self.job_dir.remove()
 
+    def stop_telemetry(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.stop()
+            self.telemetry = None
+
     def say_if_tmp_full(self) -> None:
         """A failed job whose directory's file system is full: say so among
         the launcher's lines (see ``JobDir.full_line``)."""
@@ -416,6 +430,7 @@ class Agent:
         """Stop everything this agent started; signals no longer interrupt it."""
         global _TEARING_DOWN
         _TEARING_DOWN = True
+        self.stop_telemetry()
         if self.proc is not None:
             kill_tree(2.0, {self.proc.pid})
             try:

@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "logs": ("corral.cli.logs", "logs", "Read a detached job's per-rank logs from its nodes (--follow, --sync)."),
     "stop": ("corral.cli.stop", "stop", "Stop a detached job, as Ctrl-C stops an attended one."),
     "ps": ("corral.cli.ps", "ps", "List the detached jobs on a cluster's nodes."),
+    "top": ("corral.cli.top", "top", "Live GPUs, ranks and links of a run on every node; stragglers flagged."),
+    "report": ("corral.cli.report", "report", "Write a run's report: one HTML page with timeline and plots."),
     "sandbox": ("corral.cli.sandbox", "sandbox", "A simulated multi-node cluster on this machine."),
 }
 

@@ -120,6 +120,9 @@ RECOVERY_DEFAULTS = RecoveryOptions()
               help="Start every rank as a new Python interpreter, as plain torchrun does. By default "
                    "(torchrun, accelerate) ranks are forked from one that has already imported torch, when "
                    "nothing they start with would differ; see docs/run.md, 'Preloaded ranks'.")
+@click.option("--no-telemetry", is_flag=True,
+              help="Do not sample GPUs, ranks and links once a second (for `corral top` and `corral report`; "
+                   "docs/telemetry.md).")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where run directories go. Default: $CORRAL_RUNS_DIR, else ./runs, else (./runs not "
                    "writable) $XDG_STATE_HOME/corral/runs, with a line saying so.")
@@ -154,6 +157,7 @@ def run(
     launcher_args: tuple[str, ...],
     config_file: str | None,
     fresh_ranks: bool,
+    no_telemetry: bool,
     runs_dir: Path | None,
     sync_first: bool,
     dry_run: bool,
@@ -242,6 +246,7 @@ def run(
         node_timeout=node_timeout, hang_timeout=hang_timeout, flight_recorder=not no_flight_recorder,
         **({} if grace is None else {"grace": grace, "interrupt_grace": grace}),
         shown_ranks=None if status_ranks is None else frozenset(status_ranks), recovery=recovery,
+        telemetry=not no_telemetry,
     )
     if detach:
         from corral.cli.detached import run_detached

@@ -58,6 +58,7 @@ from corral.run.record import error_record, failure_record, one_line, plan_recor
 from corral.run.recovery import Recovery, RecoveryOptions, hosts_in_error
 from corral.run.result import RunResult, diagnose_failure, env_hint
 from corral.run.scriptcheck import script_checks
+from corral.run.telemetry import TelemetryFiles
 from corral.run.watch import Failure, JobWatch, Sink, node_notice
 
 #: Launchers whose per-node process is torchrun's elastic agent, and the module
@@ -105,6 +106,9 @@ class RunOptions:
     flight_recorder: bool = True
     #: --min-nodes, --rejoin-timeout, --checkpoint-dir (run/recovery.py).
     recovery: RecoveryOptions = RecoveryOptions()
+    #: Each node samples its GPUs, ranks and links once a second into the
+    #: run directory (``corral top``, ``corral report``); --no-telemetry: off.
+    telemetry: bool = True
 
 
 class RunView(Sink, Protocol):
@@ -199,6 +203,7 @@ class Runner:
         self.health: tuple[str, ...] = ()
         self._wake: asyncio.Event | None = None
         self.started = time.time()
+        self.tm_files: TelemetryFiles | None = None
 
     # -- signals -----------------------------------------------------------
 
@@ -225,6 +230,10 @@ class Runner:
     def _on_event(self, session: AgentSession, ev: dict) -> None:
         if ev.get("ev") == "flightrec":
             self.flight.take(session.name, ev)
+        if ev.get("ev") == "tm":
+            if self.logs is not None:
+                self.tm_files = self.tm_files or TelemetryFiles(self.logs.dir, on_error=self.view.message)
+                self.tm_files.write(session.name, ev)
             return
         notice = node_notice(session.name, ev, interrupted=bool(self.interrupts))
         if notice:
@@ -251,6 +260,8 @@ class Runner:
                 loop.remove_signal_handler(sig)
             if self.logs is not None:
                 self.logs.close()
+            if self.tm_files is not None:
+                self.tm_files.close()
 
     def _control_path(self) -> Path:
         """Where `corral stacks` reaches this run (a detached run's supervisor keeps it in its job directory)."""
@@ -478,6 +489,7 @@ class Runner:
                 "keep_tmp": self.options.keep_node_tmp,
                 "preload": self.spec.preload and self.spec.launcher in PREWARMED,
                 "flight_recorder": self.options.flight_recorder,
+                "telemetry": self.options.telemetry,
             }
             session = pool[node.host.name]
             session.ranks = node.ranks  # a frame for any other rank is a protocol error
