@@ -246,7 +246,7 @@ def test_a_short_flag_means_one_thing_in_every_command() -> None:
     assert flags["-f"] == {"exec": "--fanout", "logs": "--follow"}
     for short, meanings in flags.items():
         assert short == "-f" or len(set(meanings.values())) == 1, (short, meanings)
-    from corral.interop.export import FORMATS
+    from corral.export import FORMATS
 
     assert _short_flags()["-n"] == {"run": "--nproc-per-node", "bench": "--nproc-per-node",
                                     **{f"export {n}": "--nproc-per-node" for n, f in FORMATS.items()
@@ -324,6 +324,7 @@ _JSON_RUNS: dict[str, list[str]] = {
     "corral sandbox list": ["sandbox", "list", "--json"],
     "corral check": ["check", "--json", "job.sbatch"],
     "corral ps": ["ps", "--json"],
+    "corral top": ["top", "--json"],  # no run here: an error document
     **{f"corral export {f}": ["export", f, "--json", "-H", "localhost:2", "t.py"]
        for f in ("accelerate", "deepspeed", "torchrun", "mpi")},
     **{f"corral export {f}": ["export", f, "--json", "-H", "localhost:2"] for f in ("pdsh", "ssh-config")},

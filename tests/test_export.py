@@ -22,7 +22,7 @@ import tomlkit
 from click.testing import CliRunner
 
 from corral.cli import cli
-from corral.interop.export import FORMATS
+from corral.export import FORMATS
 
 CORRAL = [sys.executable, "-m", "corral"]
 

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from attacker import prepare, shared_place
+
 from corral.agent import holds
 from corral.agent.private import UnsafePlace
 

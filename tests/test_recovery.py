@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from corral.errors import PreflightError, HostError, UsageError
+from corral.errors import HostError, PreflightError, UsageError
 from corral.model import Cluster, Host
 from corral.run.plan import NodeFacts, RunSpec, build_plan
 from corral.run.recovery import (

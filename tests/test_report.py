@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from corral.run.report import build
 from corral.run.logs import _safe
+from corral.run.report import build
 
 CORRAL = [sys.executable, "-m", "corral"]
 HOSTILE = '<script>alert("x")</script><img src=http://evil.example/x.png>'

@@ -19,26 +19,28 @@ from corral.errors import EXIT_INTERRUPTED, CorralError
 
 # name -> (module, attribute, one-line help shown by ``corral --help``)
 COMMANDS: dict[str, tuple[str, str, str]] = {
+    # running a job
     "run": ("corral.cli.run", "run", "Run a training script on every node of the cluster."),
+    "attach": ("corral.cli.attach", "attach", "Follow a detached job's live output (Ctrl-C detaches)."),
+    "logs": ("corral.cli.logs", "logs", "Read a detached job's per-rank logs from its nodes (-f, --sync)."),
+    "stop": ("corral.cli.stop", "stop", "Stop a detached job, as Ctrl-C stops an attended one."),
+    "ps": ("corral.cli.ps", "ps", "List the detached jobs on a cluster's nodes."),
+    "top": ("corral.cli.top", "top", "Live GPUs, ranks and links of a run on every node; stragglers flagged."),
+    "stacks": ("corral.cli.stacks", "stacks", "Dump the Python stack of every rank of a running job."),
+    "runs": ("corral.cli.runs", "runs", "List past runs and where their logs are."),
+    "diagnose": ("corral.cli.diagnose", "diagnose", "Explain a failed run's log: likely cause and fix."),
+    "report": ("corral.cli.report", "report", "Write a run's report: one HTML page with timeline and plots."),
+    # the cluster
     "exec": ("corral.cli.exec_", "exec_", "Run a shell command on every node; identical output is folded."),
     "hosts": ("corral.cli.hosts", "hosts", "Show the resolved cluster: hosts, ports, users, slots."),
     "doctor": ("corral.cli.doctor", "doctor", "Check every node for what would break or slow a job."),
     "bench": ("corral.cli.bench", "bench", "Measure link bandwidth and all-reduce bus bandwidth."),
     "ssh": ("corral.cli.ssh", "ssh", "Set up (or tear down) passwordless SSH between all nodes."),
     "sync": ("corral.cli.sync", "sync", "Copy the project (or paths) to every node, verified."),
-    "check": ("corral.cli.check", "check", "Check a Slurm batch script for known mistakes, by line, with the fix."),
-    "export": ("corral.cli.export", "export", "Write a plain sbatch script that runs without corral."),
-    "diagnose": ("corral.cli.diagnose", "diagnose", "Explain a failed run's log: likely cause and fix."),
-    "stacks": ("corral.cli.stacks", "stacks", "Dump the Python stack of every rank of a running job."),
-    "runs": ("corral.cli.runs", "runs", "List past runs and where their logs are."),
+    # other tools
     "export": ("corral.cli.export", "export",
-               "Write the cluster as accelerate, DeepSpeed, torchrun, mpirun, pdsh or ssh files."),
-    "attach": ("corral.cli.attach", "attach", "Follow a detached job's live output (Ctrl-C detaches)."),
-    "logs": ("corral.cli.logs", "logs", "Read a detached job's per-rank logs from its nodes (--follow, --sync)."),
-    "stop": ("corral.cli.stop", "stop", "Stop a detached job, as Ctrl-C stops an attended one."),
-    "ps": ("corral.cli.ps", "ps", "List the detached jobs on a cluster's nodes."),
-    "top": ("corral.cli.top", "top", "Live GPUs, ranks and links of a run on every node; stragglers flagged."),
-    "report": ("corral.cli.report", "report", "Write a run's report: one HTML page with timeline and plots."),
+               "Write the cluster as accelerate, DeepSpeed, torchrun, mpirun, pdsh, ssh or sbatch files."),
+    "check": ("corral.cli.check", "check", "Check a Slurm batch script for known mistakes, by line, with the fix."),
     "sandbox": ("corral.cli.sandbox", "sandbox", "A simulated multi-node cluster on this machine."),
 }
 

@@ -131,6 +131,7 @@ JSON_SCHEMAS: dict[str, int] = {
     "check": 1,
     "run.detached": 1,
     "ps": 1,
+    "top": 1,
 }
 
 

@@ -1,6 +1,6 @@
 """`corral export FORMAT`: the cluster (and a job) as another tool's files.
 
-The formats live in ``corral.interop.export`` (one registry, ``FORMATS``);
+The formats live in ``corral.export`` (one registry, ``FORMATS``);
 this module parses the command line, builds the export, writes it (or
 prints it) and says how to use it.
 """
@@ -17,7 +17,7 @@ from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options, emit_json
 from corral.cli.export_sbatch import sbatch
 from corral.errors import UsageError
-from corral.interop.export import FORMATS, Export, ExportRequest, Format
+from corral.export import FORMATS, Export, ExportRequest, Format
 from corral.run.launchers import refuse_owned_options
 from corral.run.plan import RunSpec, parse_env_flags
 
@@ -129,7 +129,7 @@ def _export(fmt: Format, *, cluster_opts: ClusterOptions, output: Path | None, f
     if output is None:
         _print(result, as_json)
         return
-    from corral.interop.export.write import write_export
+    from corral.export.write import write_export
 
     written = write_export(result, output.expanduser(), force=force)
     if as_json:

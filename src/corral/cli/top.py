@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from corral import ui
+from corral.cli.common import emit_json
 from corral.errors import UsageError
 from corral.run.history import RunRecord, default_root, find_run
 from corral.run.stragglers import WINDOW_S, Flag, flags, latest
@@ -55,7 +55,7 @@ def top(run: str | None, runs_dir: Path | None, once: bool, as_json: bool, speed
     if as_json or once:
         end = _last(follower)
         if as_json:
-            click.echo(json.dumps(snapshot(record, follower.samples, end), indent=2))
+            emit_json("top", snapshot(record, follower.samples, end))
         else:
             con = ui.console()
             if not con.is_terminal:

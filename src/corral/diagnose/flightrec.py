@@ -27,7 +27,6 @@ import io
 import json
 import pickle
 import re
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -26,8 +26,8 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any

@@ -38,8 +38,8 @@ import argparse
 import ctypes
 import errno
 import json
-import shutil
 import os
+import shutil
 import signal
 import socket
 import subprocess

@@ -43,10 +43,23 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.slurm.findings import (MAX_SCRIPT_BYTES, STEP_VARS, Ctx, Finding, multi, step_nodes, step_tasks,
-                                   trains)
+from corral.slurm.findings import (
+    MAX_SCRIPT_BYTES,
+    STEP_VARS,
+    Ctx,
+    Finding,
+    multi,
+    step_nodes,
+    step_tasks,
+    trains,
+)
 from corral.slurm.job import job_shape, launches, option, raw_assignments, variables
-from corral.slurm.launchcheck import accelerate_checks, lightning_checks, port_checks, torchrun_checks
+from corral.slurm.launchcheck import (
+    accelerate_checks,
+    lightning_checks,
+    port_checks,
+    torchrun_checks,
+)
 from corral.slurm.script import Command, as_int, assignment, read_script
 
 __all__ = ["Finding", "Report", "check_file", "check_text"]

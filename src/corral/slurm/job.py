@@ -13,8 +13,17 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from corral.slurm.script import (BatchScript, Command, Directive, as_int, assignment, expand, parse_options,
-                                 scan_commands, unquote)
+from corral.slurm.script import (
+    BatchScript,
+    Command,
+    Directive,
+    as_int,
+    assignment,
+    expand,
+    parse_options,
+    scan_commands,
+    unquote,
+)
 
 #: The Slurm variables a batch script can rely on, and what they stand for.
 _JOB_VALUES = {"SLURM_NNODES": "nodes", "SLURM_JOB_NUM_NODES": "nodes", "SLURM_GPUS_ON_NODE": "gpus",

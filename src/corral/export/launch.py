@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from corral.errors import CorralError, UsageError
-from corral.interop.export import Export, ExportFile, ExportRequest
-from corral.interop.export.remote import SSH_CONFIG, single_user, ssh_args_append, ssh_config_file
+from corral.export import Export, ExportFile, ExportRequest
+from corral.export.remote import SSH_CONFIG, single_user, ssh_args_append, ssh_config_file
 from corral.run.plan import CONTRACT, LaunchPlan, NodeFacts, NodePlan, build_plan, is_secret_name
 
 #: Stands for the script in launch lines when no PROGRAM was given.

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from corral.errors import UsageError
-from corral.interop.export import Export
+from corral.export import Export
 
 PUBLIC_MODE = 0o644
 PRIVATE_MODE = 0o600

@@ -91,8 +91,8 @@ class Format:
         return build(request)
 
 
-_LAUNCH = "corral.interop.export.launch"
-_REMOTE = "corral.interop.export.remote"
+_LAUNCH = "corral.export.launch"
+_REMOTE = "corral.export.remote"
 
 #: Every format ``corral export`` writes.  A new one is one line here.
 FORMATS: dict[str, Format] = {f.name: f for f in (

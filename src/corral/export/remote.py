@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from corral.errors import InventoryError, UsageError
+from corral.export import Export, ExportFile, ExportRequest
 from corral.hostrange import fold
-from corral.interop.export import Export, ExportFile, ExportRequest
 from corral.inventory.sshconfig import SSH_G_TIMEOUT_S, ssh_g_argv
 from corral.model import Cluster, Host
 
