@@ -99,8 +99,8 @@ def test_a_node_with_an_old_python_is_named_before_anything_starts(tmp_path: Pat
         pytest.skip("no Python 3.8 here")
     from corral.errors import HostError
     from corral.run import detach
+    from corral.run.options import RunOptions
     from corral.run.plan import RunSpec
-    from corral.run.runner import RunOptions
 
     cluster = Cluster(hosts=(Host(name="localhost", local=True, python=old),))
     jobs = detach.list_jobs(cluster, cluster.hosts[0])  # 3.8 runs the node side
@@ -355,9 +355,9 @@ def test_the_job_document_carries_every_field_of_the_spec_options_and_cluster() 
 
     from corral.interop.dsenv import DsEnv, DsValue
     from corral.run.jobcodec import from_json, to_json
+    from corral.run.options import RunOptions
     from corral.run.plan import RunSpec
     from corral.run.recovery import RecoveryOptions
-    from corral.run.runner import RunOptions
 
     cluster = Cluster(hosts=(Host(name="gpu1", gpus=(0, 1)), Host(name="gpu2", spare=True)), env={"A": "1"})
     spec = RunSpec(program="train.py", args=("--x", "1"), env={"B": "2"}, gpus=(2, 3), launcher="deepspeed",

@@ -28,6 +28,7 @@ NODE_MODULES = {
     "corral_agent_flightrec": "flightrec.py",
     "corral_agent_holds": "holds.py",
     "corral_agent_prewarm": "prewarm.py",
+    "corral_agent_rankstacks": "rankstacks.py",
     "corral_agent_node": "node.py",
 }
 MAIN = "corral_agent_node"

@@ -13,8 +13,8 @@ from corral.errors import EXIT_INTERRUPTED, CorralError, HostError
 from corral.frames import terminal_safe
 from corral.run import detach
 from corral.run.history import default_root
+from corral.run.options import RunOptions
 from corral.run.plan import RunSpec
-from corral.run.runner import RunOptions
 
 
 def run_detached(cluster, spec: RunSpec, options: RunOptions, *, as_json: bool) -> None:

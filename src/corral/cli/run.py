@@ -12,10 +12,10 @@ from pathlib import Path
 
 import click
 from rich.markup import escape
-from rich.table import Table
 
 from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options, emit_json
+from corral.cli.run_dry import show_plan
 from corral.diagnose.stacks import fold_ranks
 from corral.errors import UsageError
 from corral.hostrange import fold
@@ -24,27 +24,21 @@ from corral.run.console import RunConsole, parse_ranks
 from corral.run.history import default_root, unwritable
 from corral.run.imports import apply_imports
 from corral.run.launchers import PLANNERS, owned_option_hint, refuse_owned_options
+from corral.run.options import RunOptions
 from corral.run.plan import (
-    LaunchPlan,
-    NodeFacts,
     RunSpec,
-    build_plan,
     ds_config_notes,
-    gpus_for,
-    is_secret_name,
     known_world_size,
     new_run_id,
     parse_env_flags,
 )
 from corral.run.recovery import RecoveryOptions, check_checkpoint_dir
 from corral.run.result import RunResult
-from corral.run.runner import PREWARMED, Runner, RunOptions
+from corral.run.runner import Runner
 from corral.run.scriptcheck import (
-    local_rank_problem,
     module_for,
     relative_import_line,
     script_and_args,
-    self_launch_note,
 )
 
 RECOVERY_DEFAULTS = RecoveryOptions()
@@ -234,7 +228,7 @@ def run(
     if dry_run:
         for note in ds_notes:
             ui.notice(note)
-        _dry_run(cluster, spec, as_json)
+        show_plan(cluster, spec, as_json)
         return
     assert runs_dir is not None
     for _ in range(5):  # a leftover directory (or a clock set back): draw again
@@ -438,100 +432,6 @@ def _refuse_relative_imports_run_as_file(program: str, args: tuple[str, ...], wo
         "no known parent package\"",
         hint=f"run it as the module it is: `corral run {chdir}-m {name}{' ' + rest if rest else ''}` "
              "(as `torchrun -m` would)")
-
-
-#: Stands for the master port in a dry run's plan (corral picks a free one on
-#: node 0 only at launch); shown as ``PORT_UNCHOSEN`` wherever it lands.
-_PORT_STANDIN = 65099
-PORT_UNCHOSEN = "<port>"
-
-
-def _dry_run(cluster, spec: RunSpec, as_json: bool) -> None:
-    cluster = cluster.without_spares()  # a spare is used only when a node is lost
-    first = cluster.hosts[0]
-    master = "127.0.0.1" if len(cluster.hosts) == 1 else first.connect_address
-    port = spec.master_port or 0
-    plan = build_plan(cluster, spec, {h.name: NodeFacts() for h in cluster.hosts}, master_addr=master,
-                      master_port=port or _PORT_STANDIN, head_env=os.environ, head_cwd=os.getcwd())
-    if not port:
-        plan = _port_unchosen(plan)
-    unknown_slots = spec.nproc_per_node is None and any(h.slots is None and gpus_for(spec, h) is None
-                                                          for h in cluster.hosts)
-    if as_json:
-        emit_json("run.plan", _plan_json(plan, unknown_slots, preload=spec.preload and spec.launcher in PREWARMED))
-        return
-    con = ui.console()
-    con.print(f"[bold]dry run[/] {spec.run_id}: {spec.launcher}, {len(plan.nodes)} node(s), "
-              f"rendezvous {master}:{port or '<free port chosen at launch>'}")
-    if spec.launcher in PREWARMED:
-        con.print("ranks: " + ("preloaded (forked from a torchrun that has imported torch, where nothing "
-                               "they start with would differ; docs/run.md)" if spec.preload
-                               else "fresh interpreters (--fresh-ranks)"))
-    if unknown_slots:
-        con.print("[yellow]note:[/] some hosts have no slots: processes per node = their GPU count, "
-                  "detected at launch (shown here as 1)")
-    problem = None if spec.module else local_rank_problem(spec.program, Path.cwd(), launcher=spec.launcher,
-                                                          world_size=plan.world_size, args=spec.args)
-    if problem:  # the run would refuse it
-        raise UsageError(problem[0], hint=problem[1])
-    note = None if spec.module else self_launch_note(spec.program, Path.cwd(), launcher=spec.launcher,
-                                                       nproc=plan.nodes[0].nproc, nnodes=len(plan.nodes),
-                                                       args=spec.args)
-    if note:
-        con.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
-    for node in plan.nodes:
-        ranks = fold_ranks(set(range(node.first_rank, node.first_rank + node.nproc)))
-        con.print(f"\n[bold]node {node.node_rank}[/] {escape(node.host.name)}  {ranks}  cwd {escape(node.cwd)}")
-        con.print("  argv: " + escape(" ".join(_q(a) for a in node.argv)), soft_wrap=True)
-        table = Table(box=None, show_header=False, padding=(0, 1, 0, 4))
-        for k in sorted(node.env):
-            table.add_row(k, "***" if is_secret_name(k) else escape(node.env[k]))
-        for k, parts in node.env_refs:
-            table.add_row(k, "***" if is_secret_name(k) else escape(_shown_ref(parts)) + "  (filled in on the node)")
-        con.print(table)
-    ui.notice("dry run: nothing was started")
-
-
-def _port_unchosen(plan: LaunchPlan) -> LaunchPlan:
-    """The plan with the stand-in port shown as ``<port>`` (launcher flags,
-    ``$MASTER_PORT`` in the script's arguments, the environment)."""
-    import dataclasses
-
-    standin = re.compile(rf"(?<![0-9]){_PORT_STANDIN}(?![0-9])")
-
-    def sub(text: str) -> str:
-        return standin.sub(PORT_UNCHOSEN, text)
-
-    nodes = tuple(dataclasses.replace(n, argv=tuple(sub(a) for a in n.argv),
-                                      env={k: sub(v) for k, v in n.env.items()}) for n in plan.nodes)
-    return dataclasses.replace(plan, master_port=0, nodes=nodes)
-
-
-def _shown_ref(parts) -> str:
-    """``/opt/x:${LD_LIBRARY_PATH}``: a value the node fills in from its own variables."""
-    return "".join(text if kind == "lit" else "${%s}" % text for kind, text in parts)
-
-
-def _q(word: str) -> str:
-    if word == PORT_UNCHOSEN or word.endswith("=" + PORT_UNCHOSEN) or word.endswith(":" + PORT_UNCHOSEN):
-        return word  # a placeholder, not a shell word
-    return shlex.quote(word)
-
-
-def _plan_json(plan: LaunchPlan, unknown_slots: bool, *, preload: bool) -> dict:
-    return {
-        "run_id": plan.run_id, "launcher": plan.launcher, "preloaded_ranks": preload,
-        "master_addr": plan.master_addr,
-        "master_port": plan.master_port or None, "world_size": plan.world_size,
-        "processes_per_node_detected_at_launch": unknown_slots,
-        "nodes": [
-            {"host": n.host.name, "node_rank": n.node_rank, "nproc": n.nproc, "first_rank": n.first_rank,
-             "cwd": n.cwd, "argv": list(n.argv),
-             "env": {k: ("***" if is_secret_name(k) else v) for k, v in n.env.items()},
-             "env_from_node": {k: ("***" if is_secret_name(k) else _shown_ref(p)) for k, p in n.env_refs}}
-            for n in plan.nodes
-        ],
-    }
 
 
 def _summary(result: RunResult, as_json: bool) -> None:

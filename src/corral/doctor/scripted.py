@@ -28,9 +28,10 @@ from corral.agent.session import AgentPool
 from corral.doctor.workloads import script_text
 from corral.errors import PreflightError
 from corral.model import Cluster
+from corral.run.options import RunOptions
 from corral.run.plan import RunSpec
 from corral.run.result import RunResult
-from corral.run.runner import Runner, RunOptions
+from corral.run.runner import Runner
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from corral.errors import CorralError, HostError, UsageError
 from corral.frames import MAX_LINE
 from corral.model import Cluster, Host
 from corral.run.logs import RUN_FILE
+from corral.run.options import RunOptions
 from corral.run.package import jobs_program, supervisor_package
 from corral.run.plan import RunSpec
-from corral.run.runner import RunOptions
 from corral.run.supervisor import cluster_from_json, cluster_to_json, job_document
 from corral.transport import transport_for
 

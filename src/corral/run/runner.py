@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from corral import ui
 from corral.agent.bundle import hook_source, preload_modules
@@ -52,14 +52,15 @@ from corral.run.control import collect_stacks, control_path, ranks_of, serve, st
 from corral.run.flightrec import FlightDumps, at_failure, at_hang, flight_report, save_report
 from corral.run.imports import node_accelerate_notes
 from corral.run.logs import RunLogs
+from corral.run.options import RunOptions, RunView, _NullView
 from corral.run.plan import LaunchPlan, RunSpec, build_plan, ds_config_notes, job_sets
 from corral.run.preflight import choose_master, node_facts, preflight
 from corral.run.record import error_record, failure_record, one_line, plan_record
-from corral.run.recovery import Recovery, RecoveryOptions, hosts_in_error
+from corral.run.recovery import Recovery, hosts_in_error
 from corral.run.result import RunResult, diagnose_failure, env_hint
 from corral.run.scriptcheck import script_checks
 from corral.run.telemetry import TelemetryFiles
-from corral.run.watch import Failure, JobWatch, Sink, node_notice
+from corral.run.watch import Failure, JobWatch, node_notice
 
 #: Launchers whose per-node process is torchrun's elastic agent, and the module
 #: each node imports ahead of its job (preloaded ranks need that agent).
@@ -68,65 +69,8 @@ PREWARMED = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.comm
 #: doubled each time in a row, up to the maximum (seconds).
 RESTART_BACKOFF_S = 2.0
 RESTART_BACKOFF_MAX_S = 30.0
-#: Without --hang-timeout: after this long with no output from any rank, say
-#: where the ranks are (then after twice as long again, and so on).
-QUIET_NOTICE_S = 120.0
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunOptions:
-    runs_dir: Path
-    max_restarts: int = 0
-    #: Agent silence after which the head declares a node lost (seconds).
-    node_timeout: float = 10.0
-    #: SIGTERM -> SIGKILL grace when tearing the job down after a failure (seconds).
-    grace: float = 3.0
-    #: The same after Ctrl-C / SIGTERM / SIGHUP of corral itself: long enough
-    #: for a script that saves a checkpoint when it is stopped (preemption),
-    #: short enough that nothing of the run is left on any node 10 s after
-    #: Ctrl-C, and inside a scheduler's own wait before SIGKILL (Slurm's
-    #: KillWait is 30 s).  torchrun waits 30 s: ``--grace 30``.
-    interrupt_grace: float = 7.0
-    connect_timeout: float = 10.0
-    #: Keep the node-side temp dir (rank files) after the run, for debugging.
-    keep_node_tmp: bool = False
-    #: No output from any rank for this long = a hang: dump every rank's stack, stop.
-    hang_timeout: float | None = None
-    #: Without hang_timeout: no output for this long = say where the ranks
-    #: are, and go on (again after twice as long, and so on).
-    quiet_notice: float = QUIET_NOTICE_S
-    #: Ranks the user asked to see on the console (--ranks); None = all.  The
-    #: world size is known only once every node's GPUs are counted, so a rank
-    #: that does not exist is refused here, before anything starts.
-    shown_ranks: frozenset[int] | None = None
-    #: Turn PyTorch's collective flight recorder on in every rank; its dumps
-    #: are gathered into the run directory on a hang or failure (``--no-flight-recorder``).
-    flight_recorder: bool = True
-    #: --min-nodes, --rejoin-timeout, --checkpoint-dir (run/recovery.py).
-    recovery: RecoveryOptions = RecoveryOptions()
-    #: Each node samples its GPUs, ranks and links once a second into the
-    #: run directory (``corral top``, ``corral report``); --no-telemetry: off.
-    telemetry: bool = True
-
-
-class RunView(Sink, Protocol):
-    """What the run loop tells its user interface (the CLI's console)."""
-
-    def message(self, text: str) -> None: ...
-    def stopping(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class _NullView:
-    def line(self, host: str, rank: int | None, stream: str, text: str) -> None: ...
-    def status(self, host: str, rank: int | None, text: str) -> None: ...
-    def message(self, text: str) -> None: ...
-    def stopping(self) -> None: ...
-    def close(self) -> None: ...
-
-
 
 
 def _check_shown_ranks(shown: frozenset[int] | None, world_size: int) -> None:

@@ -33,8 +33,9 @@ from typing import Any
 from corral.errors import CorralError, PreflightError
 from corral.model import Cluster
 from corral.run.jobcodec import from_json, to_json
+from corral.run.options import RunOptions
 from corral.run.plan import RunSpec, env_from_head
-from corral.run.runner import Runner, RunOptions
+from corral.run.runner import Runner
 
 #: ssh options that name a file on the machine that wrote the cluster file.
 PATH_OPTIONS = frozenset({"identityfile", "userknownhostsfile", "globalknownhostsfile", "certificatefile",
