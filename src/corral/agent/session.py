@@ -374,7 +374,9 @@ class AgentSession:
         behind, so it gets SIGTERM (its own teardown, a few seconds), and
         SIGKILL only if it is still there after that."""
         if self.proc is not None and self.proc.returncode is None:
-            local = self.transport.name == "local"
+            # srun: SIGTERM ends the job step (Slurm cancels it); a SIGKILLed
+            # srun would leave the step, and the agent, running.
+            local = self.transport.name in ("local", "srun")
             try:
                 if local:
                     self.proc.send_signal(signal.SIGTERM)
