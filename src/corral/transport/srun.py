@@ -13,8 +13,11 @@ stdin it would broadcast.  The options, and why:
   the batch script and with any other step (``corral doctor`` while a run
   goes on); without it a second step waits for the first to end;
 - ``--kill-on-bad-exit=1``: a step whose task fails is ended at once;
-- ``--cpu-bind=none``: the agent's ranks may use every CPU the job has on the
-  node (one task bound to one CPU would starve the data loaders);
+- ``--cpus-per-task=C``, C = the CPUs the *job* has on that node
+  (``SLURM_JOB_CPUS_PER_NODE``): the agent's one task holds every rank of the
+  node; a one-CPU task (the default, or a ``--cpus-per-task`` inherited from
+  the job for *one* rank) would bind all of them to one CPU and starve the
+  data loaders;
 - ``--unbuffered``: frames reach the head as they are written;
 - ``--quiet``: no "job step created" chatter on stderr;
 - ``--export=ALL``: the node sees the environment corral was started in, as
@@ -34,20 +37,38 @@ import re
 from collections.abc import Mapping
 
 from corral.errors import HostError
+from corral.hostrange import expand
 from corral.model import Cluster, Host
 from corral.transport.ssh import quote
 
 #: The command that launches steps (``$CORRAL_SRUN`` names another one).
 SRUN = "srun"
 #: Options every agent step gets (see the module docstring).
-STEP_OPTIONS = ("--nodes=1", "--ntasks=1", "--overlap", "--kill-on-bad-exit=1", "--cpu-bind=none",
-                "--unbuffered", "--quiet", "--export=ALL")
+STEP_OPTIONS = ("--nodes=1", "--ntasks=1", "--overlap", "--kill-on-bad-exit=1", "--unbuffered",
+                "--quiet", "--export=ALL")
 
 
 def in_allocation(environ: Mapping[str, str] | None = None) -> bool:
     """Whether corral runs inside a Slurm allocation (salloc, sbatch, srun)."""
     env = os.environ if environ is None else environ
     return bool(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"))
+
+
+def job_cpus_per_node(environ: Mapping[str, str]) -> dict[str, int]:
+    """``SLURM_JOB_CPUS_PER_NODE`` (``16(x2),8``) by node name; {} when it cannot be read."""
+    nodes = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or ""
+    text = environ.get("SLURM_JOB_CPUS_PER_NODE") or ""
+    counts: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            return {}
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    try:
+        names = expand(nodes)
+    except ValueError:
+        return {}
+    return dict(zip(names, counts)) if len(names) == len(counts) else {}
 
 
 class SrunTransport:
@@ -59,10 +80,13 @@ class SrunTransport:
         self.cluster = cluster
         self.connect_timeout = connect_timeout
         self.job_id = job_id or os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
+        self.cpus = job_cpus_per_node(os.environ)
 
     def argv(self, host: Host, remote: list[str]) -> list[str]:
         argv = [os.environ.get("CORRAL_SRUN") or SRUN, *STEP_OPTIONS, f"--nodelist={host.name}",
                 f"--job-name=corral:{host.name}"]
+        if host.name in self.cpus:
+            argv.append(f"--cpus-per-task={self.cpus[host.name]}")
         if self.job_id:
             argv.append(f"--jobid={self.job_id}")
         # srun runs the argv itself (no login shell in between): no quoting.
