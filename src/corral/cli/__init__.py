@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "ssh": ("corral.cli.ssh", "ssh", "Set up (or tear down) passwordless SSH between all nodes."),
     "sync": ("corral.cli.sync", "sync", "Copy the project (or paths) to every node, verified."),
     "diagnose": ("corral.cli.diagnose", "diagnose", "Explain a failed run's log: likely cause and fix."),
+    "submit": ("corral.cli.submit", "submit", "Run a script as a Slurm batch job through corral run, and follow it."),
     "stacks": ("corral.cli.stacks", "stacks", "Dump the Python stack of every rank of a running job."),
     "runs": ("corral.cli.runs", "runs", "List past runs and where their logs are."),
     "sandbox": ("corral.cli.sandbox", "sandbox", "A simulated multi-node cluster on this machine."),
