@@ -133,7 +133,7 @@ def wait_for_lines(proc: subprocess.Popen, pattern: str, count: int, timeout: fl
         if len(seen) >= count:
             return seen
         assert time.monotonic() < deadline, f"only {seen} after {timeout}s"
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None or time.monotonic() < deadline - timeout + 5, proc.stderr.read()
         time.sleep(0.1)
 
 
@@ -244,6 +244,44 @@ def test_ctrl_c_ends_the_steps_and_leaves_nothing(slurm_sandbox, env, workdir: P
         proc.wait(timeout=30)
         assert proc.returncode == 130, proc.stderr.read()[-3000:]
         assert_clean(slurm_sandbox, env, within=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# ---------------------------------------------------------------------------
+# corral submit
+
+
+def submit_start(env: dict[str, str], args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([*CORRAL, "submit", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_train_ddp_through_corral_submit(slurm_sandbox, env, workdir: Path) -> None:
+    res = subprocess.run([*CORRAL, "submit", f"-N{NODES}", "-t", "10", str(REPO / "examples/train_ddp.py"),
+                          "--epochs", "1", "--no-progress"], cwd=workdir, env=env, capture_output=True,
+                         text=True, timeout=240)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    job = re.search(r"submitted job (\d+)", out).group(1)
+    assert re.search(rf"job {job} running on \S+\[1-4\]", out), out[-3000:]
+    assert re.search(r"cluster: 4 hosts \S+ from Slurm allocation " + job, out)
+    assert "final loss" in out and f"job {job} completed (exit code 0)" in out
+    assert (workdir / f"slurm-{job}.out").exists()
+    assert_clean(slurm_sandbox, env, within=10)
+
+
+def test_ctrl_c_on_submit_cancels_the_job_and_leaves_nothing(slurm_sandbox, env, workdir: Path) -> None:
+    write(workdir / "loop.py", LOOP)
+    proc = submit_start(env, ["--cancel-on-interrupt", f"-N{NODES}", "loop.py"], workdir)
+    try:
+        wait_for_lines(proc, r"\] ready \d", NODES)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        assert proc.returncode == 130, proc.stderr.read()[-3000:]
+        assert "cancelled" in proc.stderr.read()
+        assert_clean(slurm_sandbox, env, within=15)
     finally:
         if proc.poll() is None:
             proc.kill()

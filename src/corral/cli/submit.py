@@ -92,7 +92,7 @@ def submit(nodes: int | None, gpus_per_node: str | None, time_limit: str | None,
         click.echo(text, nl=False)
         return
     job = sbatch_submit(text)
-    con = ui.console()
+    con = ui.err_console()
     if no_follow:
         click.echo(job)
         return
@@ -102,7 +102,7 @@ def submit(nodes: int | None, gpus_per_node: str | None, time_limit: str | None,
 
 def _follow(job: str, on_interrupt: str | None) -> int:
     """Print the job's states and output until it ends; its exit code."""
-    con = ui.console()
+    con = ui.err_console()
     info = None
 
     def stop_following(signum, frame):  # noqa: ANN001, ARG001 - SIGTERM/SIGHUP: as Ctrl-C
@@ -138,7 +138,7 @@ def _describe(info) -> str:  # noqa: ANN001 - JobInfo
 
 
 def _interrupted(job: str, on_interrupt: str | None) -> int:
-    con = ui.console()
+    con = ui.err_console()
     choice = on_interrupt
     if choice is None:
         if sys.stdin.isatty():
