@@ -2,7 +2,8 @@
 # Install the system tools corral's tests drive for real: OpenSSH (client and
 # server, one sshd per sandbox node), rsync, iproute2 (ip, tc), pdsh (the
 # anchor DeepSpeed's launcher uses), iperf3 (bench), procps, and the login
-# shells nodes have besides bash (zsh, fish, tcsh: remote command lines).
+# shells nodes have besides bash (zsh, fish, tcsh: remote command lines), and
+# Slurm with munge (the sandbox's real scheduler: `corral sandbox up --slurm`).
 # Idempotent: only installs what is missing.  Needs root (or sudo) and apt.
 set -euo pipefail
 need=()
@@ -16,6 +17,10 @@ command -v iperf3 >/dev/null 2>&1 || need+=(iperf3)
 command -v ps >/dev/null 2>&1 || need+=(procps)
 for sh in zsh fish tcsh; do command -v $sh >/dev/null 2>&1 || need+=($sh); done
 command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need+=(iptables)
+command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || need+=(munge)
+command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ] || need+=(slurmctld)
+command -v slurmd >/dev/null 2>&1 || [ -x /usr/sbin/slurmd ] || need+=(slurmd)
+command -v srun >/dev/null 2>&1 || need+=(slurm-client)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

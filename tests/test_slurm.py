@@ -285,3 +285,47 @@ def test_ctrl_c_on_submit_cancels_the_job_and_leaves_nothing(slurm_sandbox, env,
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+CHECKPOINTS = """
+    import os, signal, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    asked = []
+    signal.signal(signal.SIGUSR1, lambda s, f: asked.append(s))
+    print("ready", dist.get_rank(), flush=True)
+    step = 0
+    while True:
+        t = torch.tensor([len(asked)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+        if t.item():
+            break
+        step += 1
+        time.sleep(0.2)
+    if dist.get_rank() == 0:
+        print("checkpointed at step", step, flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def test_the_time_limit_signal_reaches_every_rank_which_checkpoints(slurm_sandbox, env, workdir: Path) -> None:
+    # Slurm's --signal=B:USR1@N goes to the batch shell N seconds before the
+    # time limit; `scancel --batch --signal` sends the same signal the same way, now.
+    write(workdir / "ck.py", CHECKPOINTS)
+    proc = submit_start(env, ["--cancel-on-interrupt", f"-N{NODES}", "-t", "10", "ck.py"], workdir)
+    try:
+        wait_for_lines(proc, r"\] ready \d", NODES)
+        job = squeue(env, "-o", "%i")
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=20)
+        proc.wait(timeout=60)
+        err = proc.stderr.read()
+        assert proc.returncode == 0, err[-3000:]
+        # The job's output (corral run's lines too) is the output file, followed on stdout.
+        wait_for_lines(proc, r"SIGUSR1 received: forwarded to every rank", 1, timeout=5)
+        wait_for_lines(proc, r"checkpointed at step \d+", 1, timeout=5)
+        assert f"job {job} completed (exit code 0)" in err
+        assert_clean(slurm_sandbox, env, within=10)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)

@@ -323,6 +323,11 @@ class AgentSession:
         except (BrokenPipeError, ConnectionResetError, RuntimeError):
             pass
 
+    async def signal(self, sig: int) -> None:
+        """Have the agent send ``sig`` to each of its ranks (the ones the rank hook
+        registered); its answer names them and is not waited for."""
+        await self.send(op="signal", sig=int(sig), id=next(self._ids))
+
     async def call(self, fn: str, *, timeout: float = 30.0, **args: Any) -> Any:
         """Run ``probes.<fn>``-style function on the node and return its value."""
         if self.closed:

@@ -229,7 +229,8 @@ class Runner:
             self.view.message(f"{name} received before the ranks started: not forwarded")
             return
         self.view.message(f"{name} received: forwarded to every rank")
-        task = asyncio.get_running_loop().create_task(attempt.pool.broadcast(op="signal", sig=int(sig)))
+        task = asyncio.get_running_loop().create_task(
+            asyncio.gather(*(s.signal(sig) for s in attempt.pool.sessions)))
         self._forwarding.add(task)
         task.add_done_callback(self._forwarding.discard)
 
