@@ -377,7 +377,9 @@ class AgentSession:
         node tears its job down on EOF.  The local agent *is* the process
         here: SIGKILL would leave its job's processes and temporary files
         behind, so it gets SIGTERM (its own teardown, a few seconds), and
-        SIGKILL only if it is still there after that."""
+        SIGKILL only if it is still there after that.  srun gets SIGTERM
+        too: it then cancels the agent's job step, where a SIGKILLed srun
+        would leave the step running."""
         if self.proc is not None and self.proc.returncode is None:
             # srun: SIGTERM ends the job step (Slurm cancels it); a SIGKILLed
             # srun would leave the step, and the agent, running.

@@ -123,6 +123,7 @@ def run(
       corral run -c hostfile train.py                   # every host in a DeepSpeed hostfile
       corral run -H gpu1:8,gpu2:8 --launcher accelerate train.py
       corral run --dry-run -c corral.toml train.py      # show each node's command
+      salloc -N4 corral run train.py                    # a Slurm allocation: nodes reached with srun
 
     corral's options go before PROGRAM; everything after it is passed to the
     script unchanged.  Every line is prefixed with its rank; full per-rank
