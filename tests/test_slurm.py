@@ -329,3 +329,23 @@ def test_the_time_limit_signal_reaches_every_rank_which_checkpoints(slurm_sandbo
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=30)
+
+
+def test_down_leaves_no_daemon_socket_or_file(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or not (shutil.which("slurmctld") or os.path.exists("/usr/sbin/slurmctld")):
+        pytest.skip("needs root and Slurm")
+    from corral.sandbox import Sandbox
+    from corral.sandbox.slurm import munge_socket
+
+    sb = Sandbox(name=f"v{os.getpid()}k", prefix=f"v{os.getpid()}k", state_dir=tmp_path / "state")
+    try:
+        st = sb.up(1, slurm=True)
+        conf = Path(st.files["slurm_conf"])
+        assert conf.is_file() and sb.slurm_node_states() == {sb.nodes[0]: "idle"}
+        sock = Path(munge_socket(sb.spec))
+        daemons = [int((conf.parent / f).read_text()) for f in ("slurmctld.pid", "munged.pid")]
+    finally:
+        removed = sb.down()
+    assert sorted(removed["slurm"]) == ["munged", "slurmctld"]
+    assert not any(Path(f"/proc/{pid}").exists() for pid in daemons)
+    assert not sock.parent.exists() and not (tmp_path / "state").exists()
