@@ -249,6 +249,19 @@ def test_ctrl_c_ends_the_steps_and_leaves_nothing(slurm_sandbox, env, workdir: P
             proc.kill()
 
 
+def test_max_restarts_opens_new_steps_and_succeeds(slurm_sandbox, env, workdir: Path) -> None:
+    write(workdir / "job.py", """
+        import os, sys
+        print("attempt", os.environ["CORRAL_ATTEMPT"], "node", os.environ["NODE_RANK"], flush=True)
+        if os.environ["CORRAL_ATTEMPT"] == "1" and os.environ["NODE_RANK"] == "2":
+            sys.exit(7)
+    """)
+    res = salloc_run(env, ["--launcher", "command", "--ranks", "all", "--max-restarts", "1", "job.py"], workdir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(re.findall(r"attempt 2 node \d", res.stdout)) == NODES, res.stdout[-2000:]
+    assert_clean(slurm_sandbox, env, within=10)
+
+
 # ---------------------------------------------------------------------------
 # corral submit
 
