@@ -249,6 +249,15 @@ def test_ctrl_c_ends_the_steps_and_leaves_nothing(slurm_sandbox, env, workdir: P
             proc.kill()
 
 
+def test_exec_inside_an_allocation_runs_on_every_node_over_srun(slurm_sandbox, env) -> None:
+    res = subprocess.run(["salloc", f"-N{NODES}", *CORRAL, "exec", "--", "hostname"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for node in slurm_sandbox.nodes:
+        assert re.search(rf"^{node}$", res.stdout, re.M), res.stdout
+    assert "srun:" not in res.stdout + res.stderr.replace("salloc:", "")
+
+
 def test_max_restarts_opens_new_steps_and_succeeds(slurm_sandbox, env, workdir: Path) -> None:
     write(workdir / "job.py", """
         import os, sys
