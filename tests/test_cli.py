@@ -241,7 +241,8 @@ def test_a_short_flag_means_one_thing_in_every_command() -> None:
     # -n was --nproc-per-node in run and bench, --dry-run in sync, --limit in runs.
     for short, meanings in _short_flags().items():
         assert len(set(meanings.values())) == 1, (short, meanings)
-    assert _short_flags()["-n"] == {"run": "--nproc-per-node", "bench": "--nproc-per-node"}
+    assert _short_flags()["-n"] == {"run": "--nproc-per-node", "bench": "--nproc-per-node",
+                                   "submit": "--nproc-per-node"}
     # the old ones are refused with the long name to type, not taken for something else
     for argv, says in ((["sync", "-n"], "say --dry-run"), (["runs", "-n", "3"], "say --limit N")):
         res = CliRunner().invoke(cli, argv)
