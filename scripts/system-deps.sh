@@ -3,7 +3,8 @@
 # server, one sshd per sandbox node), rsync, iproute2 (ip, tc), pdsh (the
 # anchor DeepSpeed's launcher uses), iperf3 (bench), procps, and the login
 # shells nodes have besides bash (zsh, fish, tcsh: remote command lines),
-# tmux and Debian's chromium (the `top` and `report` tests).
+# tmux and Debian's chromium (the `top` and `report` tests), and Slurm with
+# munge (the sandbox's real scheduler: `corral sandbox up --slurm`).
 # Idempotent: only installs what is missing.  Needs root (or sudo) and apt.
 set -euo pipefail
 need=()
@@ -20,6 +21,10 @@ command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || need+=(iptab
 # `corral top` is read from a tmux screen; `corral report` is rendered in a headless Chromium
 command -v tmux >/dev/null 2>&1 || need+=(tmux)
 command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || need+=(chromium)
+command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || need+=(munge)
+command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ] || need+=(slurmctld)
+command -v slurmd >/dev/null 2>&1 || [ -x /usr/sbin/slurmd ] || need+=(slurmd)
+command -v srun >/dev/null 2>&1 || need+=(slurm-client)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

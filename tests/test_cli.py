@@ -249,6 +249,7 @@ def test_a_short_flag_means_one_thing_in_every_command() -> None:
     from corral.export import FORMATS
 
     assert _short_flags()["-n"] == {"run": "--nproc-per-node", "bench": "--nproc-per-node",
+                                    "submit": "--nproc-per-node",
                                     **{f"export {n}": "--nproc-per-node" for n, f in FORMATS.items()
                                        if f.program != "none"}}
     # the old ones are refused with the long name to type, not taken for something else

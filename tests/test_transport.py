@@ -156,3 +156,25 @@ def test_the_head_locale_does_not_reach_the_nodes(sandbox, tmp_path) -> None:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "CORRAL_RUN_ID=" in run.stdout and "LC_CORRAL_SMUGGLED" not in run.stdout
+
+
+def test_srun_step_holds_every_cpu_the_job_has_on_its_node(monkeypatch) -> None:
+    # One agent task runs all of a node's ranks: a one-CPU step (srun's default,
+    # or the job's --cpus-per-task for one rank) would bind them all to one CPU.
+    from corral.model import Cluster, Host
+    from corral.transport import SrunTransport, transport_for
+
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-2],cpu9")
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "16(x2),4")
+    hosts = tuple(Host(name=n) for n in ("gpu1", "gpu2", "cpu9"))
+    cluster = Cluster(hosts=hosts, transport="srun")
+    transport = transport_for(cluster, hosts[2])
+    assert isinstance(transport, SrunTransport)
+    argv = transport.argv(hosts[2], ["python3", "-c", "x y"])
+    assert argv[0] == "srun" and argv[-4:] == ["--", "python3", "-c", "x y"]
+    for opt in ("--nodes=1", "--ntasks=1", "--overlap", "--kill-on-bad-exit=1", "--nodelist=cpu9",
+                "--cpus-per-task=4", "--jobid=77"):
+        assert opt in argv
+    assert "--cpus-per-task=16" in transport.argv(hosts[0], ["true"])
+    assert transport_for(Cluster(hosts=hosts), hosts[0]).name == "ssh"

@@ -144,6 +144,9 @@ class Cluster:
     ssh_config: str | None = None
     #: Path of the cluster file this came from, when there is one (for --fix-env).
     path: str | None = None
+    #: How nodes are reached: ``"ssh"``, or ``"srun"`` for the nodes of the
+    #: Slurm allocation corral runs in (``corral.transport.srun``).
+    transport: str = "ssh"
 
     def __post_init__(self) -> None:
         if not self.hosts:

@@ -323,6 +323,11 @@ class AgentSession:
         except (BrokenPipeError, ConnectionResetError, RuntimeError):
             pass
 
+    async def signal(self, sig: int) -> None:
+        """Have the agent send ``sig`` to each of its ranks (the ones the rank hook
+        registered); its answer names them and is not waited for."""
+        await self.send(op="signal", sig=int(sig), id=next(self._ids))
+
     async def call(self, fn: str, *, timeout: float = 30.0, **args: Any) -> Any:
         """Run ``probes.<fn>``-style function on the node and return its value."""
         if self.closed:
@@ -372,9 +377,13 @@ class AgentSession:
         node tears its job down on EOF.  The local agent *is* the process
         here: SIGKILL would leave its job's processes and temporary files
         behind, so it gets SIGTERM (its own teardown, a few seconds), and
-        SIGKILL only if it is still there after that."""
+        SIGKILL only if it is still there after that.  srun gets SIGTERM
+        too: it then cancels the agent's job step, where a SIGKILLed srun
+        would leave the step running."""
         if self.proc is not None and self.proc.returncode is None:
-            local = self.transport.name == "local"
+            # srun: SIGTERM ends the job step (Slurm cancels it); a SIGKILLed
+            # srun would leave the step, and the agent, running.
+            local = self.transport.name in ("local", "srun")
             try:
                 if local:
                     self.proc.send_signal(signal.SIGTERM)

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "runs": ("corral.cli.runs", "runs", "List past runs and where their logs are."),
     "diagnose": ("corral.cli.diagnose", "diagnose", "Explain a failed run's log: likely cause and fix."),
     "report": ("corral.cli.report", "report", "Write a run's report: one HTML page with timeline and plots."),
+    "submit": ("corral.cli.submit", "submit", "Run a script as a Slurm batch job through corral run, and follow it."),
     # the cluster
     "exec": ("corral.cli.exec_", "exec_", "Run a shell command on every node; identical output is folded."),
     "hosts": ("corral.cli.hosts", "hosts", "Show the resolved cluster: hosts, ports, users, slots."),

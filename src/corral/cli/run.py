@@ -170,6 +170,7 @@ def run(
       corral run -c hostfile --launcher accelerate --config-file acc.yaml train.py
       corral run -c hostfile --launcher deepspeed train.py --deepspeed_config ds.json
       corral run --dry-run -c corral.toml train.py      # show each node's command
+      salloc -N4 corral run train.py                    # a Slurm allocation: nodes reached with srun
 
     corral's options go before PROGRAM; everything after it is passed to the
     script unchanged.  Every line is prefixed with its rank; full per-rank

@@ -78,12 +78,16 @@ def sandbox() -> None:
               help="Let USER (not root) use the sandbox: read its files, use its head key, see its "
                    "status. Its state then lives in /var/lib/corral/sandbox/NAME. With --with-keys "
                    "USER logs in to the nodes as root: give it only to a user you would give root.")
+@click.option("--slurm", is_flag=True, default=None,
+              help="Also run a real Slurm cluster: munge and slurmctld on this machine, one slurmd per "
+                   "node (configless). The Slurm tools reach it with SLURM_CONF=STATE_DIR/slurm/slurm.conf "
+                   "(printed below; docs/sandbox.md#slurm).")
 @_instance_options
 @_json_option
 def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | None,
        password_auth: bool | None, password: str | None, extra_nic: tuple[str, ...],
        slots: int | None, prefix: str | None,
-       subnet: str | None, share: tuple[str, ...], for_user: str | None, name: str,
+       subnet: str | None, share: tuple[str, ...], for_user: str | None, slurm: bool | None, name: str,
        state_dir: str | None, as_json: bool) -> None:
     """Start a sandbox of N nodes; idempotent.
 
@@ -94,7 +98,7 @@ def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | 
     sb = _sandbox(name, state_dir, prefix)
     status = sb.up(n, rate=rate, ssh_port=ssh_port, with_keys=with_keys, password_auth=password_auth,
                    password=password, extra_nic=extra_nic or None, slots=slots, subnet=subnet,
-                   share=share or None, for_user=for_user)
+                   share=share or None, for_user=for_user, slurm=slurm)
     if as_json:
         _print_json("sandbox.status", status.to_dict())
     else:
@@ -251,7 +255,7 @@ def _render(st: SandboxStatus, *, next_steps: bool) -> None:
     con.print("files:")
     for label, key in (("cluster file", "cluster_file"), ("hostfile", "hostfile"),
                        ("ssh config", "ssh_config"), ("known_hosts", "known_hosts"),
-                       ("head key", "identity_file")):
+                       ("head key", "identity_file"), ("slurm.conf", "slurm_conf")):
         if key in st.files:
             con.print(f"  {label:<13} {st.files[key]}")
     if st.password_auth:
@@ -267,6 +271,9 @@ def _render(st: SandboxStatus, *, next_steps: bool) -> None:
         else:
             con.print("  no keys yet (a true first contact): set them up with `corral ssh`, "
                       "or start with --with-keys")
+        if "slurm_conf" in st.files:
+            con.print(f"  export SLURM_CONF={shlex.quote(st.files['slurm_conf'])}; sinfo; "
+                      f"salloc -N{len(st.nodes)} corral run examples/train_ddp.py")
         con.print(f"  corral sandbox exec{name_flag} {first} -- ps ax")
         con.print(f"  corral sandbox down{name_flag}")
 

@@ -51,6 +51,9 @@ def read_slurm(environ: Mapping[str, str]) -> Cluster:
         hosts=tuple(hosts),
         source=f"Slurm allocation {job}",
         name=environ.get("SLURM_CLUSTER_NAME") or None,
+        # Inside the allocation (SLURM_JOB_ID set: salloc, sbatch) nodes are
+        # job steps; a node list alone (copied into another shell) means ssh.
+        transport="srun" if environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") else "ssh",
     )
 
 

@@ -63,7 +63,7 @@ def resolve_ssh(
     host and ssh's own message.
     """
     remote = [h for h in cluster.hosts if not h.local]
-    if not remote:
+    if not remote or cluster.transport != "ssh":  # srun reaches Slurm's nodes by name
         return cluster
     if shutil.which("ssh") is None:
         raise HostError(

@@ -69,6 +69,9 @@ PREWARMED = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.comm
 #: doubled each time in a row, up to the maximum (seconds).
 RESTART_BACKOFF_S = 2.0
 RESTART_BACKOFF_MAX_S = 30.0
+#: Signals the head passes on to every rank (Slurm's warning before the time
+#: limit, ``--signal=B:USR1@120``; frameworks' checkpoint requests).
+FORWARDED = (signal.SIGUSR1, signal.SIGUSR2)
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,8 @@ class Runner:
         self._wake: asyncio.Event | None = None
         self.started = time.time()
         self.tm_files: TelemetryFiles | None = None
+        #: SIGUSR1/2 being passed on to the ranks (``forward``).
+        self._forwarding: set[asyncio.Task] = set()
 
     # -- signals -----------------------------------------------------------
 
@@ -167,7 +172,31 @@ class Runner:
                 installed.append(sig)
             except (ValueError, RuntimeError, NotImplementedError):
                 pass  # not the main thread (library use): the caller handles signals
+        for sig in FORWARDED:
+            try:
+                loop.add_signal_handler(sig, self.forward, sig)
+                installed.append(sig)
+            except (ValueError, RuntimeError, NotImplementedError):
+                pass
         return installed
+
+    def forward(self, sig: int) -> None:
+        """Pass ``sig`` (SIGUSR1/2) on to every rank of the running attempt.
+
+        Slurm's ``--signal=B:USR1@120`` warns the batch script before the time
+        limit; ``corral submit``'s script hands it to corral, and the ranks
+        (each main process the rank hook registered) get it here so they can
+        checkpoint.  The job goes on: the script decides whether to exit."""
+        attempt = self.attempt
+        name = signal.Signals(sig).name
+        if attempt is None:
+            self.view.message(f"{name} received before the ranks started: not forwarded")
+            return
+        self.view.message(f"{name} received: forwarded to every rank")
+        task = asyncio.get_running_loop().create_task(
+            asyncio.gather(*(s.signal(sig) for s in attempt.pool.sessions)))
+        self._forwarding.add(task)
+        task.add_done_callback(self._forwarding.discard)
 
     # -- events ------------------------------------------------------------
 

@@ -399,7 +399,12 @@ class JobWatch:
         if node.done:
             return
         node.lost = reason
-        if not self.stopping:
+        cause = self.root_cause() if self.stopping else None
+        if not self.stopping or (cause is not None and cause.consequential):
+            # While stopping on a rank that only saw its peer vanish, a node
+            # that then stays silent is that vanished peer: the cause.  (Over
+            # srun a dead node's channel stays open until Slurm gives up on it;
+            # the other ranks' "connection closed by peer" comes first.)
             self._fail(Failure(host=host, rank=None, kind="lost", reason=reason))
 
     def hang(self, host: str, rank: int | None, reason: str) -> None:

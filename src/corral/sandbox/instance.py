@@ -26,9 +26,11 @@ from corral.errors import SandboxError, UsageError
 from corral.model import Cluster, Host
 from corral.sandbox import access, files, netns, preflight
 from corral.sandbox import node as nodes_mod
+from corral.sandbox import slurm as slurm_mod
 from corral.sandbox import spec as specs
 from corral.sandbox.files import STATE_FILE
 from corral.sandbox.ops import UNLIMITED, NodeOps
+from corral.sandbox.slurm import SlurmOps
 from corral.sandbox.spec import NodeNames, SandboxSpec
 from corral.sandbox.status import NodeStatus, SandboxStatus
 from corral.sandbox.teardown import OWNED, TeardownOps
@@ -41,7 +43,7 @@ STATE_VERSION = 1
 PRIVATE_DIRS = ("~/.ssh", "/tmp", "/var/tmp", "/srv", "/home", "/dev/shm", "/run", "/etc")
 
 
-class Sandbox(NodeOps, TeardownOps):
+class Sandbox(NodeOps, TeardownOps, SlurmOps):
     """A simulated multi-node cluster: one network/PID/mount/UTS namespace and
     one real sshd per node, on a bridge of its own.
 
@@ -146,6 +148,7 @@ class Sandbox(NodeOps, TeardownOps):
         subnet: str | None = None,
         share: Sequence[str] | None = None,
         for_user: str | None = None,
+        slurm: bool | None = None,
     ) -> SandboxStatus:
         """Bring up ``n`` nodes, or converge a running sandbox back to its settings.
 
@@ -159,6 +162,9 @@ class Sandbox(NodeOps, TeardownOps):
         through into every node (an NFS-mounted project); the rest of those
         stays private to each node.  ``for_user``: a login that may use the
         sandbox without root (``--for``; see ``corral.sandbox.access``).
+        ``slurm``: also run a Slurm cluster on it (munge, slurmctld on the
+        head, one slurmd per node; ``corral.sandbox.slurm``); a running
+        sandbox keeps it once started.
         """
         request = specs.UpRequest(
             nodes=n, rate=_rate(rate), ssh_port=ssh_port, with_keys=with_keys,
@@ -171,6 +177,8 @@ class Sandbox(NodeOps, TeardownOps):
                 hint=f"corral sandbox up 4 --with-keys{_name_flag(self.name)}",
             )
         tools = preflight.check()
+        if slurm:
+            slurm_mod.check_tools()
         python, private_home, shares = nodes_mod.python_layout(share or ())
         owner = access.user(for_user) if for_user else None
         if owner is not None:
@@ -211,6 +219,8 @@ class Sandbox(NodeOps, TeardownOps):
             self._start_nodes(sp, state, tools)
             self._check_mesh(sp)
             self._write_head_files(sp, state)
+            if slurm or state.get("slurm"):
+                self.slurm_up(sp, state)
             if state.get("for_user"):
                 access.grant(self.state_dir, access.user(state["for_user"]))
         return self.status()
@@ -450,7 +460,8 @@ class Sandbox(NodeOps, TeardownOps):
             extra_nics=sp.extra_nics, slots=sp.slots,
             files={"cluster_file": str(self.cluster_file), "hostfile": str(self.hostfile),
                    "ssh_config": str(self.ssh_config), "known_hosts": str(self.known_hosts),
-                   **({"identity_file": str(self.identity_file)} if sp.with_keys else {})},
+                   **({"identity_file": str(self.identity_file)} if sp.with_keys else {}),
+                   **({"slurm_conf": str(slurm_mod.conf_path(self))} if state.get("slurm") else {})},
             private_dirs=tuple(d for d in PRIVATE_DIRS if d != "/home" or state.get("private_home")),
         )
 

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 #: What ``down`` may delete in a state directory; anything else is left alone.
 OWNED = {
     STATE_FILE, "hostfile", "corral.toml", "ssh_config", "known_hosts", "id_ed25519",
-    "id_ed25519.pub", "nodes", ".lock",
+    "id_ed25519.pub", "nodes", ".lock", "slurm",
 }
 
 
@@ -70,6 +70,7 @@ class TeardownOps:
     def _teardown(self: Sandbox, *, leftovers: bool = False) -> dict:
         """Kill, then delete namespaces, links and the /etc/hosts block (state dir kept)."""
         prefix = specs.netns_prefix(self.name)
+        stopped = self.slurm_down() if self.state_dir.exists() else []
         spaces = [ns for ns in netns.netns_list() if ns.startswith(prefix)]
         left = netns.empty_netns(spaces) if spaces else {}
         if left:
@@ -92,7 +93,10 @@ class TeardownOps:
         if leftover:
             raise SandboxError(f"could not remove {', '.join(leftover)}",
                                hint="retry `corral sandbox down`; see `ip link` and `ip netns list`")
-        return {"namespaces": spaces, "links": ours, "hosts_block": had_block}
+        sock_dir = f"/run/corral-slurm-{specs.tag_for(self.name)}"
+        if os.path.isdir(sock_dir) and not os.path.islink(sock_dir):
+            shutil.rmtree(sock_dir, ignore_errors=True)
+        return {"namespaces": spaces, "links": ours, "hosts_block": had_block, "slurm": stopped}
 
     def _leftovers(self: Sandbox, prefix: str, timeout: float = 2.0) -> list[str]:
         """Namespaces and links still there (kernel cleanup is asynchronous: wait a bit)."""
