@@ -34,9 +34,7 @@ from corral import ui
 from corral.agent.bundle import hook_source, preload_modules
 from corral.agent.session import AgentPool, AgentSession
 from corral.diagnose.stacks import (
-    fold_keys,
     fold_ranks,
-    key_rank,
     stack_key_text,
 )
 from corral.errors import (
@@ -48,8 +46,9 @@ from corral.errors import (
     UsageError,
 )
 from corral.model import Cluster
-from corral.run.control import collect_stacks, control_path, ranks_of, serve, stack_snapshot
-from corral.run.flightrec import FlightDumps, at_failure, at_hang, flight_report, save_report
+from corral.run.control import collect_stacks, control_path, ranks_of, serve
+from corral.run.flightrec import FlightDumps, at_failure, flight_report, save_report
+from corral.run.hangs import declare_hang, quiet_notice
 from corral.run.imports import node_accelerate_notes
 from corral.run.logs import RunLogs
 from corral.run.options import RunOptions, RunView, _NullView
@@ -259,52 +258,14 @@ class Runner:
                 "flightrec": report.lines() if report is not None else []}
 
     async def _quiet(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
-        """No output for a while and no --hang-timeout: a hang or a quiet
-        stretch of training.  Say so, and where the ranks are when that tells
-        something (some ranks apart from the others, or waiting for a
-        rendezvous that is not corral's); the job goes on."""
         assert self.logs is not None
-        snap = await stack_snapshot(pool, watch.plan, self.logs.dir)
-        minutes = f"{silent / 60:.0f} min" if silent >= 60 else f"{silent:.0f}s"
-        self.view.message(f"no rank has written anything for {minutes}; the job goes on (--hang-timeout N "
-                          f"stops a job silent for N seconds; `corral stacks` shows where the ranks are now; "
-                          f"stacks: {snap.path})")
-        if snap.odd or snap.note:
-            for line in snap.lines:
-                self.view.message("  " + line)
-        if snap.odd:
-            self.view.message(f"{fold_keys(snap.odd)} elsewhere than the others")
-        if snap.note:
-            self.view.message(snap.note)
+        await quiet_notice(self.view, pool, watch, self.logs.dir, silent)
 
     async def _hang(self, pool: AgentPool, watch: JobWatch, silent: float) -> None:
-        """No rank made progress: show where every rank is, then fail the job."""
         assert self.logs is not None
-        self.view.message(f"no rank wrote anything for {silent:.0f}s: collecting every rank's Python stack")
-        snap = await stack_snapshot(pool, watch.plan, self.logs.dir)
-        lines = snap.lines + ([snap.note] if snap.note else [])
-        for line in lines:
-            self.view.message(line)
-        report, more = await at_hang(pool, self.flight, self.logs.dir, watch.plan.world_size,
-                                     enabled=self.options.flight_recorder, since=self.started,
-                                     stacks={k: t for k, t in snap.dumps.items() if isinstance(k, int)})
-        for line in more:
-            self.view.message(line)
-        self.hang_stacks, self.flight_lines = tuple(lines), tuple(more)
-        if report is not None and report.culprits and not snap.odd:
-            rank = report.culprits[0]
-            node = watch.plan.node_of_rank(rank)
-            watch.hang(node.host.name if node else watch.plan.nodes[0].host.name, rank,
-                       f"no progress for {silent:.0f}s; {fold_ranks(set(report.culprits))} out of step in the "
-                       f"flight recorder (stacks: {snap.path})")
-        elif snap.odd:
-            rank = min(key_rank(k) for k in snap.odd)
-            node = watch.plan.node_of_rank(rank)
-            watch.hang(node.host.name if node else watch.plan.nodes[0].host.name, rank,
-                       f"no progress for {silent:.0f}s; {fold_keys(snap.odd)} elsewhere than the others "
-                       f"(stacks: {snap.path})")
-        else:
-            watch.hang(watch.plan.nodes[0].host.name, None, f"no progress for {silent:.0f}s (stacks: {snap.path})")
+        self.hang_stacks, self.flight_lines = await declare_hang(
+            self.view, pool, watch, self.logs.dir, silent, self.flight,
+            flight_recorder=self.options.flight_recorder, since=self.started)
 
     async def _run(self) -> RunResult:
         attempts = 0
