@@ -212,3 +212,23 @@ def test_deepspeed_recipe_resumes_exactly_and_its_16bit_save_is_the_trained_mode
     sa = a.state_dict()
     assert fp32.keys() <= sa.keys() and "transformer.wte.weight" in fp32
     assert all(torch.equal(fp32[k], sa[k]) for k in fp32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["accelerate", "trainer", "deepspeed-zero2", "deepspeed-zero3"])
+def test_recipes_on_one_gpu(recipe: str, tmp_path: Path, torch_extensions: Path) -> None:
+    """On a GPU the recipes pick bf16 by themselves and still save a model that loads."""
+    prepare(tmp_path)
+    name, _, stage = recipe.partition("-zero")
+    script = RECIPES / name / {"accelerate": "train_accelerate.py", "trainer": "train_trainer.py",
+                               "deepspeed": "train_deepspeed.py"}[name]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(script),
+            "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), *TINY_HF]
+    if stage:
+        argv += ["--deepspeed-config", str(RECIPES / "deepspeed" / f"ds_zero{stage}.json")]
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(torch_extensions)}
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    curve = losses(res.stdout)
+    assert curve[12] < curve[1], res.stdout[-2000:]
+    hf_model(tmp_path / "out" / "model")

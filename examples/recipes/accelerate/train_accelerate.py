@@ -25,6 +25,12 @@ What it does right, each a trap that costs a day on a cluster:
   the step; the data loader's order is a function of the seed and the epoch
   (``use_seedable_sampler``), and ``skip_first_batches`` skips what the
   interrupted run had already consumed in its epoch;
+- the DataLoader has its own generator: without one, every iterator it
+  makes draws a seed from the global RNG, and a resumed run makes one
+  iterator more than an uninterrupted one, so its dropout masks would shift;
+- the seed differs per process (dropout) only after ``prepare``: the
+  sampler takes its seed at ``prepare``, and a different one per process
+  would shuffle differently on each, so their shards would overlap;
 - ``save_state`` writes to a temporary directory that is renamed once every
   process has written its part: a job killed during a save keeps the previous
   checkpoint.  Every process writes (its RNG state) and reads (the model) the
@@ -179,8 +185,12 @@ def main(argv=None) -> None:
                              {"params": rest, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     train = Windows(os.path.join(args.data, "train.bin"), args.block_size)
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    # its own generator: a DataLoader draws a seed from it for every iterator it makes, and
+    # from the global RNG without one, so a resumed run (one more iterator) would shift dropout
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(args.seed))
     model, opt, loader = accelerator.prepare(model, opt, loader)  # not sched: see the docstring
+    set_seed(args.seed, device_specific=True)  # dropout differs per process, after the sampler is seeded
     progress = Progress()
     accelerator.register_for_checkpointing(sched, progress)
 

@@ -33,7 +33,9 @@ What it does right, each a trap that costs a day on a cluster:
   optimizer shards, the scheduler and the step; the data position (an epoch
   seeded ``DistributedSampler`` and the batches already consumed in it) and
   every rank's RNG state (gathered to rank 0 into ``client_state``) are
-  restored by the recipe;
+  restored by the recipe; the DataLoader has its own generator (without one
+  it draws from the global RNG for every iterator, once more in a resumed
+  run, and dropout would shift);
 - on GPUs bf16 (``"bf16": {"enabled": "auto"}``); on CPU fp32, gloo, and
   torch's AdamW (``torch_adam``), so a DS_BUILD_OPS=0 install works.
 """
@@ -47,6 +49,7 @@ import json
 import os
 import random
 import shutil
+import time
 
 import deepspeed
 import numpy as np
@@ -202,13 +205,18 @@ def main(argv=None) -> None:
 
     train = Windows(os.path.join(args.data, "train.bin"), args.block_size)
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    # its own generator: without one, every iterator draws a seed from the global RNG, and a
+    # resumed run makes one more, so its dropout masks would shift
+    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                        generator=torch.Generator().manual_seed(args.seed))
     per_epoch = len(loader) // args.grad_accum
     if rank == 0:
         print(f"training on {world} process(es) | ZeRO-{config['zero_optimization']['stage']} | "
               f"{engine.device} | global batch {args.batch_size} x {args.grad_accum} x {world} "
               f"sequences of {args.block_size}", flush=True)
     stop = min(args.max_steps, args.stop_at or args.max_steps)
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world
+    t0, seen = time.perf_counter(), 0
     engine.train()
     while step < stop:
         epoch, done = divmod(step, per_epoch)
@@ -224,10 +232,14 @@ def main(argv=None) -> None:
             if i % args.grad_accum:
                 continue
             step += 1
+            seen += tokens_per_step
             if step % args.log_every == 0 or step == 1:
-                dist.all_reduce(total)
+                dist.all_reduce(total)  # (waits for the step: the time below is honest)
+                tps = seen / (time.perf_counter() - t0)
                 if rank == 0:
-                    print(f"step {step} | loss {total.item() / world:.6f} | lr {engine.get_lr()[0]:.2e}", flush=True)
+                    print(f"step {step} | loss {total.item() / world:.6f} | lr {engine.get_lr()[0]:.2e} "
+                          f"| {tps:,.0f} tokens/s", flush=True)
+                t0, seen = time.perf_counter(), 0
             total = torch.zeros((), device=engine.device)
             if step % args.save_every == 0 or step == stop:
                 save_checkpoint(engine, step, args)
