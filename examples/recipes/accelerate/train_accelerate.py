@@ -135,7 +135,7 @@ def settle_buckets(accelerator: Accelerator, model, loader) -> None:
     if accelerator.num_processes < 3:
         return
     model.eval()
-    batch = next(iter(loader.base_dataloader)).to(accelerator.device)
+    batch = loader.dataset[0][None].to(accelerator.device)
     with accelerator.autocast():
         model(input_ids=batch, labels=batch).loss.backward()
     for p in model.parameters():
@@ -162,6 +162,7 @@ def save_checkpoint(accelerator: Accelerator, out: str) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # (accelerator.print prints once per *node*: with one process per node, on every one)
     mixed = args.mixed_precision
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -171,6 +172,11 @@ def main(argv=None) -> None:
         # the shuffled order is a function of (seed, epoch): a resumed run sees the same order
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
+
+    def say(*words) -> None:
+        if accelerator.is_main_process:
+            print(*words, flush=True)
+
     set_seed(args.seed)  # the same initial weights everywhere (load_state later restores every RNG)
 
     with open(os.path.join(args.data, "vocab_size.txt")) as f:
@@ -200,13 +206,13 @@ def main(argv=None) -> None:
             raise SystemExit(f"train_accelerate.py: --resume: no checkpoint at {ckpt}\n"
                              "HINT: run without --resume first, or point --out at it")
         accelerator.load_state(ckpt)
-        accelerator.print(f"resumed at step {progress.step}")
+        say(f"resumed at step {progress.step}")
     settle_buckets(accelerator, model, loader)
     if args.log_with:
         accelerator.init_trackers("gpt", config=vars(args))
 
     per_epoch = len(loader) // args.grad_accum  # optimizer steps per epoch
-    accelerator.print(f"training on {accelerator.num_processes} process(es) | {accelerator.device.type} | "
+    say(f"training on {accelerator.num_processes} process(es) | {accelerator.device.type} | "
                       f"{mixed} | global batch {args.batch_size} x {args.grad_accum} x "
                       f"{accelerator.num_processes} sequences of {args.block_size}")
     stop = min(args.max_steps, args.stop_at or args.max_steps)
@@ -233,7 +239,7 @@ def main(argv=None) -> None:
             step = progress.step
             if step % args.log_every == 0 or step == 1:
                 mean = accelerator.reduce(total, reduction="mean").item()
-                accelerator.print(f"step {step} | loss {mean:.6f} | lr {sched.get_last_lr()[0]:.2e}")
+                say(f"step {step} | loss {mean:.6f} | lr {sched.get_last_lr()[0]:.2e}")
                 accelerator.log({"train/loss": mean}, step=step)
             total = torch.zeros((), device=accelerator.device)
             if step % args.save_every == 0 or step == stop:
@@ -247,10 +253,12 @@ def main(argv=None) -> None:
         accelerator.save_model(model, model_dir)  # main process only, unwrapped, safetensors
         if accelerator.is_main_process:
             accelerator.unwrap_model(model).config.save_pretrained(model_dir)
-        accelerator.print(f"done | step {progress.step} | model saved to {model_dir}")
+        say(f"done | step {progress.step} | model saved to {model_dir}")
     else:
-        accelerator.print(f"stopped at step {progress.step} | resume with --resume")
+        say(f"stopped at step {progress.step} | resume with --resume")
     accelerator.end_training()
+    if torch.distributed.is_initialized():  # (without it gloo can abort at exit)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

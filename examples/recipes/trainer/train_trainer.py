@@ -132,6 +132,11 @@ class SettleBuckets(TrainerCallback):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if not torch.cuda.is_available():
+        # accelerate names a CPU rank's device "cpu:0", and the Trainer hands that to torch.load
+        # as the optimizer state's map_location at resume, which torch refuses ("don't know how
+        # to restore data location"); a plain "cpu" device avoids it (transformers 5.17)
+        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
     with open(os.path.join(args.data, "vocab_size.txt")) as f:
         vocab = int(f.read())
     training = TrainingArguments(
@@ -147,7 +152,9 @@ def main(argv=None) -> None:
         adam_beta2=0.95,
         max_grad_norm=args.grad_clip,
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        use_cpu=not torch.cuda.is_available(),
         logging_steps=args.log_every,
+        logging_first_step=True,
         save_strategy="steps",
         save_steps=args.save_every,
         seed=args.seed,
@@ -188,6 +195,8 @@ def main(argv=None) -> None:
             print(f"done | step {step} | model saved to {model_dir}", flush=True)
     elif trainer.is_world_process_zero():
         print(f"stopped at step {step} | resume with --resume", flush=True)
+    if torch.distributed.is_initialized():  # (without it gloo can abort at exit)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
