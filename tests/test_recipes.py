@@ -117,3 +117,136 @@ def test_gpt_recipe_learns_resumes_exactly_and_saves_a_plain_model(sandbox, work
     logits, _ = a.eval()(x)
     assert logits.shape == (1, 8, 256)
     assert not list((workdir / "a").glob("*.tmp.*"))  # checkpoints written atomically
+
+
+# ---------------------------------------------------------------------------
+# accelerate, the transformers Trainer and DeepSpeed ZeRO-2/3 (examples/recipes/{accelerate,trainer,deepspeed})
+
+RECIPES = REPO / "examples" / "recipes"
+#: A GPT-2 of 2 layers x 32 wide on 32-token windows: seconds per run on 4 CPU ranks.
+TINY_HF = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",
+           "--grad-accum", "2", "--max-steps", "12", "--warmup", "2", "--log-every", "2", "--lr", "1e-2",
+           "--save-every", "100"]
+
+
+def run_recipe(sandbox, workdir: Path, script: Path, out: str, *extra: str, env: tuple[str, ...] = ()) -> str:
+    """One corral run of a recipe on the 4 sandbox nodes, one rank each."""
+    argv = CORRAL + ["run", "-c", str(sandbox.cluster_file), "-n", "1"]
+    for e in env:
+        argv += ["--env", e]
+    res = subprocess.run(argv + [str(script), "--data", str(workdir / "data"), "--out", str(workdir / out),
+                                 *TINY_HF, *extra],
+                         cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "training on 4 process(es)" in res.stdout, res.stdout[-3000:]
+    return res.stdout
+
+
+def stop_and_resume(sandbox, workdir: Path, script: Path, *extra: str, env: tuple[str, ...] = ()) -> dict:
+    """An uninterrupted run of 12 steps and one stopped at 6 and resumed: their losses after step 6."""
+    prepare(workdir)
+    whole = run_recipe(sandbox, workdir, script, "a", *extra, env=env)
+    curve = losses(whole)
+    assert curve[12] < curve[1] * 0.8, whole  # it learns
+    stopped = run_recipe(sandbox, workdir, script, "b", "--stop-at", "6", *extra, env=env)
+    assert "stopped at step 6" in stopped, stopped[-2000:]
+    resumed = run_recipe(sandbox, workdir, script, "b", "--resume", *extra, env=env)
+    assert "resumed at step 6" in resumed, resumed[-2000:]
+    return {"whole": {s: v for s, v in curve.items() if s > 6},
+            "resumed": {s: v for s, v in losses(resumed).items() if s > 6}}
+
+
+def hf_model(path: Path):
+    """The saved model, loaded the way a user would: a plain GPT2LMHeadModel, no accelerate, no DeepSpeed."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(str(path)).eval()
+    import torch
+
+    logits = model(torch.randint(0, 256, (1, 8))).logits
+    assert logits.shape == (1, 8, 256)
+    return model
+
+
+def assert_same_weights(a, b) -> None:
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not different, f"resume is not exact: {different[:5]}"
+
+
+@pytest.mark.sandbox
+def test_accelerate_recipe_learns_resumes_exactly_and_saves_a_plain_model(sandbox, workdir: Path) -> None:
+    script = RECIPES / "accelerate" / "train_accelerate.py"
+    curves = stop_and_resume(sandbox, workdir, script, "--dropout", "0.1")
+    assert curves["resumed"] == curves["whole"]
+    assert_same_weights(hf_model(workdir / "a" / "model"), hf_model(workdir / "b" / "model"))
+    assert not (workdir / "b" / "ckpt.tmp").exists()
+
+
+@pytest.mark.sandbox
+def test_trainer_recipe_learns_resumes_exactly_and_saves_a_plain_model(sandbox, workdir: Path) -> None:
+    script = RECIPES / "trainer" / "train_trainer.py"
+    curves = stop_and_resume(sandbox, workdir, script, "--dropout", "0.1")
+    assert curves["resumed"] == curves["whole"]
+    assert_same_weights(hf_model(workdir / "a" / "model"), hf_model(workdir / "b" / "model"))
+
+
+def assert_16bit_save_is_the_consolidated_checkpoint(model, ckpt: Path) -> None:
+    """zero_to_fp32 over the sharded checkpoint (each of the 4 ranks wrote its shard) gives the saved model."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    saved = model.state_dict()
+    assert fp32.keys() <= saved.keys() and "transformer.wte.weight" in fp32
+    assert all(torch.equal(fp32[k], saved[k]) for k in fp32)
+
+
+@pytest.mark.sandbox
+def test_deepspeed_zero3_recipe_resumes_exactly_and_its_16bit_save_is_the_trained_model(
+        sandbox, workdir: Path, torch_extensions: Path) -> None:
+    """ZeRO-3: every rank holds a shard of each weight; the 16-bit save must gather them."""
+    script = RECIPES / "deepspeed" / "train_deepspeed.py"
+    config = str(RECIPES / "deepspeed" / "ds_zero3.json")
+    curves = stop_and_resume(sandbox, workdir, script, "--dropout", "0.1", "--deepspeed-config", config,
+                             env=(f"TORCH_EXTENSIONS_DIR={torch_extensions}",))
+    assert curves["resumed"] == curves["whole"]
+    a, b = hf_model(workdir / "a" / "model"), hf_model(workdir / "b" / "model")
+    assert_same_weights(a, b)
+    assert_16bit_save_is_the_consolidated_checkpoint(a, workdir / "a" / "ckpt")
+
+
+@pytest.mark.sandbox
+def test_deepspeed_zero2_recipe_learns_and_saves_the_trained_model(
+        sandbox, workdir: Path, torch_extensions: Path) -> None:
+    """ZeRO-2 with the default config (one run: its resume takes the same path as ZeRO-3's)."""
+    prepare(workdir)
+    out = run_recipe(sandbox, workdir, RECIPES / "deepspeed" / "train_deepspeed.py", "a", "--dropout", "0.1",
+                     env=(f"TORCH_EXTENSIONS_DIR={torch_extensions}",))
+    curve = losses(out)
+    assert "ZeRO-2" in out and curve[12] < curve[1] * 0.8, out[-2000:]
+    assert "checked against the trained weights" in out
+    assert_16bit_save_is_the_consolidated_checkpoint(hf_model(workdir / "a" / "model"), workdir / "a" / "ckpt")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["accelerate", "trainer", "deepspeed-zero2", "deepspeed-zero3"])
+def test_recipes_on_one_gpu(recipe: str, tmp_path: Path, torch_extensions: Path) -> None:
+    """On a GPU the recipes pick bf16 by themselves and still save a model that loads."""
+    prepare(tmp_path)
+    name, _, stage = recipe.partition("-zero")
+    script = RECIPES / name / {"accelerate": "train_accelerate.py", "trainer": "train_trainer.py",
+                               "deepspeed": "train_deepspeed.py"}[name]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(script),
+            "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), *TINY_HF]
+    if stage:
+        argv += ["--deepspeed-config", str(RECIPES / "deepspeed" / f"ds_zero{stage}.json")]
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(torch_extensions)}
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    curve = losses(res.stdout)
+    assert curve[12] < curve[1], res.stdout[-2000:]
+    hf_model(tmp_path / "out" / "model")
