@@ -543,7 +543,7 @@ def test_down_leaves_no_namespace_interface_process_or_file(own_sandbox) -> None
     assert alive == []
     assert f"corral-sandbox {sb.name}" not in Path("/etc/hosts").read_text()
     assert not sb.state_dir.exists()
-    assert sb.down() == {"namespaces": [], "links": [], "hosts_block": False, "state_dir": None}
+    assert sb.down() == {"namespaces": [], "links": [], "hosts_block": False, "state_dir": None, "slurm": []}
 
 
 @pytest.mark.sandbox

@@ -512,7 +512,7 @@ class Runner:
                     for s in pool.sessions:
                         if not watch.nodes[s.name].done:
                             await s.kill()
-                            watch.lose(s.name, "did not stop in time; its channel was closed")
+                            watch.lose(s.name, "did not stop in time; its channel was closed", closed_by_us=True)
                 if waited > limit + 15:
                     break
 

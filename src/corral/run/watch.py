@@ -394,12 +394,15 @@ class JobWatch:
         self._fail(Failure(host=host, rank=rank, kind="signal" if sig else "exit",
                            code=code or None, signal=sig or None, exc=exc, consequential=consequential))
 
-    def lose(self, host: str, reason: str) -> None:
+    def lose(self, host: str, reason: str, *, closed_by_us: bool = False) -> None:
+        """``host`` is gone; ``closed_by_us``: its channel was dropped by the
+        head's own teardown (a second Ctrl-C, a node that did not stop in
+        time), which never makes it the job's cause."""
         node = self.nodes[host]
         if node.done:
             return
         node.lost = reason
-        cause = self.root_cause() if self.stopping else None
+        cause = self.root_cause() if self.stopping and not closed_by_us else None
         if not self.stopping or (cause is not None and cause.consequential):
             # While stopping on a rank that only saw its peer vanish, a node
             # that then stays silent is that vanished peer: the cause.  (Over
