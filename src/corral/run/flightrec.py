@@ -90,9 +90,11 @@ def _write(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-async def request_dumps(pool: AgentPool, timeout: float = DUMP_WAIT_S) -> None:
+async def request_dumps(pool: AgentPool, timeout: float = DUMP_WAIT_S, skip: frozenset[str] = frozenset()) -> None:
     """Ask every node for its live ranks' dumps; they arrive as events
-    before each node's answer.  A node that does not answer is left out."""
+    before each node's answer.  A node that does not answer is left out, and
+    a node already lost (``skip``) is not asked: over srun its channel stays
+    open and the call would wait for its whole timeout."""
 
     async def one(s) -> None:
         try:
@@ -100,7 +102,7 @@ async def request_dumps(pool: AgentPool, timeout: float = DUMP_WAIT_S) -> None:
         except Exception:  # noqa: BLE001 - a lost node has no dumps to give
             pass
 
-    await asyncio.gather(*(one(s) for s in pool.sessions if not s.closed))
+    await asyncio.gather(*(one(s) for s in pool.sessions if not s.closed and s.name not in skip))
 
 
 async def flight_report(pool: AgentPool, dumps: FlightDumps, run_dir: Path, world_size: int,
@@ -131,10 +133,11 @@ async def at_hang(pool: AgentPool, dumps: FlightDumps, run_dir: Path, world_size
     return report, lines + await health_lines(pool, since)
 
 
-async def at_failure(pool: AgentPool, *, enabled: bool, since: float) -> tuple[str, ...]:
+async def at_failure(pool: AgentPool, *, enabled: bool, since: float,
+                     lost: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """A failure, before the teardown: the live ranks' dumps are asked for
     (read by ``save_report`` once the job has ended) and the GPU nodes'
-    health is read; its lines."""
+    health is read; its lines.  Nodes already ``lost`` are not asked."""
     if enabled:
-        await request_dumps(pool)
-    return tuple(await health_lines(pool, since))
+        await request_dumps(pool, skip=lost)
+    return tuple(await health_lines(pool, since, skip=lost))

@@ -18,7 +18,7 @@ from corral.diagnose.gpuhealth import NodeHealth, node_health
 HEALTH_TIMEOUT_S = 45.0
 
 
-async def gather_health(pool: AgentPool, since: float | None) -> list[NodeHealth]:
+async def gather_health(pool: AgentPool, since: float | None, skip: frozenset[str] = frozenset()) -> list[NodeHealth]:
     """Every reachable GPU node's health; a node that does not answer is left out."""
 
     async def one(s) -> NodeHealth | None:
@@ -27,15 +27,15 @@ async def gather_health(pool: AgentPool, since: float | None) -> list[NodeHealth
         except Exception:  # noqa: BLE001 - a lost node is already named by the failure itself
             return None
 
-    found = await asyncio.gather(*(one(s) for s in pool.sessions if not s.closed))
+    found = await asyncio.gather(*(one(s) for s in pool.sessions if not s.closed and s.name not in skip))
     return [h for h in found if h is not None]
 
 
-async def health_lines(pool: AgentPool, since: float | None) -> list[str]:
+async def health_lines(pool: AgentPool, since: float | None, skip: frozenset[str] = frozenset()) -> list[str]:
     """What the GPU nodes' kernels, GPUs and NCCL say, one finding a line;
     what could not be read is said too (a permission, a missing tool)."""
     out: list[str] = []
-    for node in await gather_health(pool, since):
+    for node in await gather_health(pool, since, skip):
         out += ["node health: " + line for line in node.lines()]
         out += [f"node health: {node.host}: {why}" for why in node.unread]
     return out

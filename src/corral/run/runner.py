@@ -71,6 +71,9 @@ RESTART_BACKOFF_MAX_S = 30.0
 #: Signals the head passes on to every rank (Slurm's warning before the time
 #: limit, ``--signal=B:USR1@120``; frameworks' checkpoint requests).
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2)
+#: At a failure, the flight recorder's dumps and the GPU nodes' health are
+#: read before the teardown, for at most this long (seconds).
+EVIDENCE_WAIT_S = 6.0
 
 log = logging.getLogger(__name__)
 
@@ -484,7 +487,14 @@ class Runner:
                     reason = cause.describe()
                     self.view.message(f"{reason}: stopping every node")
                     if cause.kind != "hang":  # the collectives and GPUs, before the teardown (a hang's: read)
-                        self.health = await at_failure(pool, enabled=self.options.flight_recorder, since=self.started)
+                        # bounded: a node that died without closing its channel (srun)
+                        # must not hold the teardown (nor the lost-node check) up
+                        try:
+                            self.health = await asyncio.wait_for(at_failure(
+                                pool, enabled=self.options.flight_recorder, since=self.started,
+                                lost=frozenset(n for n, st in watch.nodes.items() if st.lost)), EVIDENCE_WAIT_S)
+                        except asyncio.TimeoutError:
+                            self.health = ()
                 self.view.stopping()
                 watch.stopping = True
                 stopping_since = now
