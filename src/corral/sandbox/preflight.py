@@ -73,18 +73,24 @@ def check_privileges() -> None:
 
 def check_tools() -> dict[str, str]:
     """Paths of every tool the sandbox runs; one error naming all that are missing."""
+    return find_tools(TOOLS, "corral sandbox")
+
+
+def find_tools(tools: dict[str, str], who: str) -> dict[str, str]:
+    """Paths of ``tools`` (program -> Debian package); one error naming all
+    that are missing and the packages that bring them."""
     found: dict[str, str] = {}
     missing: list[str] = []
-    for tool in TOOLS:
+    for tool in tools:
         path = which(tool)
         if path:
             found[tool] = path
         else:
             missing.append(tool)
     if missing:
-        packages = sorted({TOOLS[t] for t in missing})
+        packages = sorted({tools[t] for t in missing})
         raise SandboxError(
-            f"corral sandbox needs {', '.join(missing)}, not found on PATH or in /usr/sbin",
+            f"{who} needs {', '.join(missing)}, not found on PATH or in /usr/sbin",
             hint=f"make system-deps  (or: apt-get install {' '.join(packages)})",
         )
     return found

@@ -64,20 +64,7 @@ KILL_WAIT = 5
 
 def check_tools() -> dict[str, str]:
     """Paths of the Slurm and munge programs; one error naming all that are missing."""
-    found, missing = {}, []
-    for tool in TOOLS:
-        path = preflight.which(tool)
-        if path:
-            found[tool] = path
-        else:
-            missing.append(tool)
-    if missing:
-        packages = sorted({TOOLS[t] for t in missing})
-        raise SandboxError(
-            f"--slurm needs {', '.join(missing)}, not found on PATH or in /usr/sbin",
-            hint=f"make system-deps  (or: apt-get install {' '.join(packages)})",
-        )
-    return found
+    return preflight.find_tools(TOOLS, "--slurm")
 
 
 def munge_socket(sp: SandboxSpec) -> str:
