@@ -216,6 +216,34 @@ def test_a_launcher_does_not_outlive_an_agent_killed_with_sigkill(tmp_path, monk
             os.kill(job, signal.SIGKILL)
 
 
+def test_a_prewarmed_launcher_that_died_is_named_when_preloaded_ranks_were_asked_for(tmp_path, monkeypatch) -> None:
+    """The job then runs fresh, and the user reads why (never silently)."""
+    events: list[dict] = []
+    (tmp_path / "launcher_mod.py").write_text("raise SystemExit('launcher_mod: broken at import')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+    async def main() -> None:
+        pool = AgentPool(_local(), tag="t", on_event=lambda s, e: events.append(e))
+        await pool.open()
+        try:
+            s = pool.sessions[0]
+            await s.send(op="prewarm", python=sys.executable, module="launcher_mod")
+            await asyncio.sleep(1.0)
+            await s.send(op="start", spec={"argv": [sys.executable, "-m", "launcher_mod"], "env": {},
+                                           "cwd": str(tmp_path), "hook_source": "", "tag": "t-0",
+                                           "preload": True})
+            for _ in range(200):
+                if any(e.get("ev") == "exit" for e in events):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    said = repr(events)
+    assert "starting ranks as fresh interpreters: the prewarmed launcher exited: launcher_mod: broken at import" in said, said
+
+
 # ---------------------------------------------------------------------------
 # What the agent adds to a job's command and environment
 

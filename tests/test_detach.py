@@ -331,7 +331,11 @@ def test_supervisors_node_lost_the_others_stop_and_its_logs_are_named(node_ssh, 
     first = sandbox.nodes[0]
     run = detached(sandbox, work, "steps.py", "100000", "0.2")
     try:
-        assert corral("logs", run, "--sync", cwd=work).returncode == 0
+        deadline = time.monotonic() + 60
+        while "step 0 rank 3" not in corral("logs", run, "--rank", "3", cwd=work).stdout:
+            assert time.monotonic() < deadline, "rank 3 printed nothing within 60 s"
+            time.sleep(0.5)
+        assert corral("logs", run, "--sync", cwd=work).returncode == 0  # holds rank 3's step 0
         sandbox.partition(first)
         logs = subprocess.Popen(CORRAL + ["logs", run, "--rank", "3"], cwd=work, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)

@@ -929,6 +929,9 @@ def test_two_jobs_started_together_get_different_ports(sandbox, workdir: Path) -
             time.sleep(0.1)
         if os.environ["NODE_RANK"] == "0":
             s = socket.socket()
+            # as torch's TCPStore does: a TIME_WAIT that preflight's reachability
+            # check (or any closed connection) left on the port is no owner
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("", int(os.environ["MASTER_PORT"])))
             s.listen()
             print("bound", os.environ["MASTER_PORT"], flush=True)

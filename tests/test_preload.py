@@ -192,7 +192,7 @@ def preloaded_and_fresh(options: list[str], program: list[str], cwd: Path, ranks
         facts = facts_of(res.stdout)
         assert len(facts) == ranks, res.stdout
         for tag, f in facts.items():
-            assert f.pop("preloaded") is (not extra), tag
+            assert f.pop("preloaded") is (not extra), (tag, res.stderr[-3000:])
         runs["fresh" if extra else "preloaded"] = facts
         outs.append(res.stdout)
     return runs["preloaded"], runs["fresh"], outs

@@ -123,6 +123,15 @@ def limit_note(e: BaseException) -> str:
     return ""
 
 
+def _last_line(pipe) -> str:
+    """': <the last line>' a dead process left on ``pipe``, or ''."""
+    try:
+        lines = pipe.read().decode("utf-8", "replace").strip().splitlines() if pipe else []
+    except (OSError, ValueError):
+        return ""
+    return ": " + lines[-1][-300:] if lines else ""
+
+
 def planned_ranks(spec: dict):
     """This node's global ranks, from the plan (``ranks``: first and count),
     else every rank of the job's ``WORLD_SIZE``; None when neither says."""
@@ -307,9 +316,14 @@ class Agent:
         process started before the job's variables were known.
         """
         proc, self.prewarmed = self.prewarmed, None
-        if proc is None:
-            return None
         argv = list(spec["argv"])
+        if proc is None:
+            if spec.get("preload") and argv[:3] == self.prewarmed_argv:
+                self.fresh_note = "the prewarmed launcher could not be started on this node"
+            return None
+        if proc.poll() is not None and spec.get("preload") and argv[:3] == self.prewarmed_argv:
+            # Never silently: a user who asked for preloaded ranks is told why not.
+            self.fresh_note = "the prewarmed launcher exited%s" % _last_line(proc.stderr)  # (its code: reaped by _on_child)
         differs = env_mismatch(dict(os.environ), env, hook_dir, skip=PREWARM_FIXED, prefixes=PREWARM_SENSITIVE)
         if argv[:3] != self.prewarmed_argv or proc.poll() is not None or differs:
             if proc.poll() is None:  # prepared for another command: not needed
