@@ -837,3 +837,26 @@ def test_a_rank_cannot_speak_for_another_rank_or_one_outside_the_node(tmp_path) 
     warnings = " | ".join(e["t"] for e in events if e.get("ev") == "log" and e.get("level") == "warning")
     # (whichever the agent read first: rank 0's own pid file, or the one it wrote for rank 1)
     assert "rank1.pid" in warnings and ("is rank 0" in warnings or "already another rank's" in warnings), warnings
+
+
+def test_a_rendezvous_check_frees_its_port_before_listen_stop_returns() -> None:
+    """The head starts the job right after; a launcher that binds the port at
+    once (as a fast job does) must not find preflight's listener still there."""
+    import socket
+
+    from corral.agent import probes
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    assert probes.listen_start(["127.0.0.1"], port, seconds=30)["bound"] == ["127.0.0.1"]
+    assert probes.connect(["127.0.0.1"], port) == {"127.0.0.1": "ok"}
+    assert probes.listen_stop(port)
+    job = socket.socket()
+    try:
+        job.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore
+        job.bind(("127.0.0.1", port))
+        job.listen()
+    finally:
+        job.close()

@@ -473,10 +473,21 @@ def listen_start(addresses, port, seconds=10.0) -> dict:
 
 
 def listen_stop(port) -> bool:
+    """Stop listening on ``port``: closed before this returns, so the job's
+    launcher can bind it the moment the head goes on (the serving thread may
+    take up to 2 s to notice; a socket it still held made a fast job's bind
+    fail with EADDRINUSE)."""
     entry = _listeners.pop(port, None)
     if entry is None:
         return False
-    entry[0].set()
+    stop, socks = entry
+    stop.set()
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)  # wakes an accept() of the serving thread
+        except OSError:
+            pass
+        s.close()
     return True
 
 
