@@ -127,6 +127,20 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory):
         sb.down()
 
 
+def first_nodes_cluster(sandbox, n: int, path: Path) -> Path:
+    """A cluster file of the sandbox's first ``n`` nodes (the same settings):
+    for tests that need several nodes but not all four (each rank costs CPU
+    time on CI's two cores)."""
+    import tomllib
+
+    import tomlkit
+
+    doc = tomllib.loads(sandbox.cluster_file.read_text())
+    doc["hosts"] = doc["hosts"][:n]
+    path.write_text(tomlkit.dumps(doc))
+    return path
+
+
 def _remove_sandboxes_of_dead_sessions() -> None:
     """Test sandboxes are named after their pytest's pid (``t<pid>``, ``u<pid>r``...);
     one whose session was killed (SIGKILL, CI timeout) is removed here."""

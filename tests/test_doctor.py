@@ -267,3 +267,21 @@ def test_smoke_all_reduce_needs_no_numpy_on_the_node(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     [line] = [json.loads(l.split(" ", 1)[1]) for l in res.stdout.splitlines() if l.startswith("CORRAL_SMOKE {\"backend")]
     assert line["world_size"] == 2 and line["hosts"] == [os.uname().nodename] * 2
+
+
+def test_large_clusters_test_each_node_against_a_few_peers_not_every_pair() -> None:
+    """Every pair of 256 nodes is 65,280 connections (and as many ssh logins);
+    each node tests node 0 and its peers at distances 1, 2, 4, ... instead."""
+    from corral.doctor.examine import FULL_MESH_NODES, mesh_peers, mesh_words
+
+    small = [f"n{i}" for i in range(4)]
+    assert mesh_peers(small) == {a: [b for b in small if b != a] for a in small}
+    names = [f"n{i}" for i in range(256)]
+    peers = mesh_peers(names)
+    assert all(a not in p and "n0" in p or a == "n0" for a, p in peers.items())
+    assert max(len(p) for p in peers.values()) <= 17
+    destinations = {b for p in peers.values() for b in p}
+    assert destinations == set(names)  # every node is tested as a destination too
+    assert sum(len(p) for p in peers.values()) < 256 * 17
+    assert "every pair" in mesh_words(FULL_MESH_NODES)
+    assert "65,280" in mesh_words(256) and "of its 255 peers" in mesh_words(256)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import first_nodes_cluster
 
 pytestmark = pytest.mark.sandbox
 
@@ -182,24 +183,27 @@ LAUNCHERS = {
     "accelerate": ["examples/launchers/accelerate_train.py"],
     "deepspeed": ["examples/launchers/deepspeed_train.py", "--deepspeed",
                   "--deepspeed_config", "examples/launchers/ds_config_zero2.json"],
-    "lightning": ["examples/launchers/lightning_train.py", "--devices", "2", "--num-nodes", "4"],
+    "lightning": ["examples/launchers/lightning_train.py", "--devices", "2", "--num-nodes", "2"],
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_each_launchers_own_script_runs_unchanged(sandbox, launcher: str, torch_extensions) -> None:
+def test_each_launchers_own_script_runs_unchanged(sandbox, launcher: str, torch_extensions, tmp_path) -> None:
+    # 2 nodes x 2 ranks: several nodes and several local ranks, at half the CPU of 4 x 2
+    pair = first_nodes_cluster(sandbox, 2, tmp_path / "corral.toml")
     extra = []
     if launcher == "deepspeed":
         # DeepSpeed JIT-compiles a CPU comm op once; share test_examples' build (the
         # repository path is visible on every sandbox node).
         extra = ["--env", f"TORCH_EXTENSIONS_DIR={torch_extensions}"]
-    res = corral(sandbox, ["--launcher", launcher, *extra, *LAUNCHERS[launcher]], REPO, timeout=600)
+    res = corral(sandbox, ["-n", "2", "--launcher", launcher, *extra, *LAUNCHERS[launcher]], REPO, timeout=600,
+                 cluster=pair)
     assert res.returncode == 0, res.stderr[-3000:]
     m = re.search(r"first loss ([\d.]+) \| final loss ([\d.]+)", res.stdout)
     assert m, res.stdout[-2000:]
     assert float(m.group(2)) < float(m.group(1))
-    assert "8 ranks on 4 node(s)" in res.stderr
+    assert "4 ranks on 2 node(s)" in res.stderr
     assert_clean(sandbox, within=5)
 
 

@@ -84,6 +84,19 @@ def test_pick_subnet_avoids_networks_in_use() -> None:
     assert other != first and not other.overlaps(first)
 
 
+def test_a_256_node_sandbox_gets_a_subnet_that_holds_every_node() -> None:
+    small, large = spec.pick_subnet("demo", [], 4), spec.pick_subnet("demo", [], 256)
+    assert small.prefixlen == 24 and large.prefixlen == 23
+    sp = _spec(nodes=256, subnet=str(large))
+    addresses = {sp.address(i) for i in range(1, 257)}
+    assert len(addresses) == 256 and all(ipaddress.ip_address(a) in large for a in addresses)
+    assert sp.head_address() not in addresses and str(large.broadcast_address) not in addresses
+    with pytest.raises(UsageError, match="too small for 256 nodes"):
+        spec.parse_subnet("10.77.0.0/24", 256)
+    with pytest.raises(UsageError, match="1 to 500"):
+        spec.check_nodes(501)
+
+
 def test_pick_subnet_moves_to_spare_pools_then_gives_up_clearly() -> None:
     vpn = ipaddress.ip_network("10.0.0.0/8")
     spare = spec.pick_subnet("demo", [vpn])

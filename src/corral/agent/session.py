@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from corral.agent.bundle import payload, remote_argv
+from corral import ui
 from corral.errors import HostError, PreflightError
+from corral.limits import ensure_open_files, files_needed
 from corral.frames import MAX_FRAME, FrameError, FrameReader, ProtocolErrors, check_frame
 from corral.model import Cluster, Host
 from corral.transport import Transport, transport_for
@@ -439,6 +441,8 @@ class AgentPool:
 
     async def open(self) -> None:
         """Start every agent; on failure close the rest and raise all problems at once."""
+        ensure_open_files(files_needed(len(self.sessions)), f"a connection to each of {len(self.sessions)} nodes",
+                          say=ui.notice)
         sem = asyncio.Semaphore(self.fanout)
 
         async def one(s: AgentSession) -> HostError | None:

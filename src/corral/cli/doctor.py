@@ -122,6 +122,10 @@ def _smoke(cluster: Cluster, report: DoctorReport, options: DoctorOptions):
 # rendering
 
 
+#: The widest the host column gets (a folded host list: ``gpu[001-064,...]``).
+HOSTS_WIDTH = 32
+
+
 def render(report: DoctorReport, *, quiet: bool = False, fixed: FixResult | None = None) -> None:
     con = ui.console()
     by_family: dict[str, list[Finding]] = {}
@@ -134,8 +138,9 @@ def render(report: DoctorReport, *, quiet: bool = False, fixed: FixResult | None
         con.print(f"\n[bold]{title}[/]")
         table = Table(box=None, show_header=False, padding=(0, 1, 0, 2))
         table.add_column(width=1)
-        table.add_column(no_wrap=True, style="bold")
-        table.add_column(overflow="fold")
+        # a host set of hundreds of nodes folds over lines, never over the message
+        table.add_column(style="bold", max_width=HOSTS_WIDTH, overflow="fold")
+        table.add_column(overflow="fold", min_width=30)
         for f in sorted(shown, key=lambda f: (f.severity != ERROR, f.severity != WARNING)):
             table.add_row(_ICON[f.severity], escape(str(f.hosts)), ui.shown(f.message))
             if f.hint and f.severity != OK:
@@ -170,6 +175,8 @@ def _render_env(report: DoctorReport, fixed: FixResult | None) -> None:
     for host, env in report.recommended_env.items():
         groups.setdefault(tuple(sorted(env.items())), []).append(host)
     table = Table(box=None, show_header=False, padding=(0, 1, 0, 2))
+    table.add_column(max_width=HOSTS_WIDTH, overflow="fold")
+    table.add_column(overflow="fold", min_width=30)
     for env, hosts in groups.items():
         table.add_row(escape(str(HostSet.of(hosts))),
                       escape(" ".join(f"{k}={v}" for k, v in env) or "(nothing to set)"))

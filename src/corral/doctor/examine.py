@@ -169,7 +169,7 @@ async def _pairs(pool: AgentPool, cluster: Cluster, options: DoctorOptions, ev: 
     live = [pool[h] for h in ev.reachable]
     if len(live) > 1:
         targets = _targets(ev)
-        progress("testing TCP ports" + (" and SSH" if options.ssh else "") + " between every pair...")
+        progress("testing TCP ports" + (" and SSH" if options.ssh else "") + f" {mesh_words(len(live))}...")
         ports, ssh = await asyncio.gather(
             _ports(live, targets, options.ports),
             _ssh(live, cluster) if options.ssh else _none(),
@@ -293,9 +293,39 @@ def _targets(ev: Evidence) -> dict[str, list[str]]:
     return out
 
 
+#: Up to this many nodes every pair is tested (ports, SSH); above, each node
+#: tests ``mesh_peers``: every pair of 256 nodes is 65,280 connections.
+FULL_MESH_NODES = 32
+
+
+def mesh_peers(names: list[str]) -> dict[str, list[str]]:
+    """Whom each node tests: every other node up to ``FULL_MESH_NODES``; above,
+    node 0 (the rendezvous host) and the nodes 1, 2, 4, 8, ... places before
+    and after it in the list (about 2 log2 N peers): every node is tested as
+    source and as destination, a broken node or a firewalled subset shows."""
+    n = len(names)
+    if n <= FULL_MESH_NODES:
+        return {a: [b for b in names if b != a] for a in names}
+    steps = [1 << k for k in range(n.bit_length()) if (1 << k) < n]
+    out = {}
+    for i, a in enumerate(names):
+        picks = {0} | {(i + d) % n for d in steps} | {(i - d) % n for d in steps}
+        picks.discard(i)
+        out[a] = [names[j] for j in sorted(picks)]
+    return out
+
+
+def mesh_words(n: int) -> str:
+    """How the pair tests' progress line names the pairs tested."""
+    if n <= FULL_MESH_NODES:
+        return "between every pair"
+    k = max(len(p) for p in mesh_peers([str(i) for i in range(n)]).values())
+    return f"between each node and up to {k} of its {n - 1} peers (every pair of {n} nodes is {n * (n - 1):,} tests)"
+
+
 async def _ports(live: list[AgentSession], targets: Mapping[str, list[str]],
                  extra: tuple[int, ...]) -> list[PortProbe]:
-    """Every node listens (a free port, plus ``extra``); every other node connects."""
+    """Every node listens (a free port, plus ``extra``); the others (``mesh_peers``) connect."""
     wanted = [0, *extra]
     opened: dict[str, list[int]] = {}
     try:
@@ -304,10 +334,11 @@ async def _ports(live: list[AgentSession], targets: Mapping[str, list[str]],
             opened[s.name] = [r["port"] for r in results if not r.get("error")]
         probes: list[PortProbe] = []
         calls = []
+        peers = mesh_peers([s.name for s in live])
         for src in live:
-            plan = [{"dst": dst.name, "address": a, "port": p}
-                    for dst in live if dst is not src
-                    for a in targets.get(dst.name, []) for p in opened[dst.name]]
+            plan = [{"dst": dst, "address": a, "port": p}
+                    for dst in peers[src.name]
+                    for a in targets.get(dst, []) for p in opened[dst]]
             calls.append(src.call("links.connect", targets=plan, wait=3.0, timeout=60))
         results = await asyncio.gather(*calls)
         for src, res in zip(live, results):
@@ -322,12 +353,18 @@ async def _ports(live: list[AgentSession], targets: Mapping[str, list[str]],
 
 async def _ssh(live: list[AgentSession], cluster: Cluster) -> list[SshProbe]:
     names = [s.name for s in live]
-    hosts = [cluster.host(n) for n in names]
-    targets = [{"name": h.name, "port": h.port, "user": h.user} for h in hosts]
-    # Each node starts at itself and goes round: at any moment a node's sshd
-    # sees about as many logins as one node makes at once (links.ssh_check).
-    rounds = (len(targets) + MESH_PARALLEL - 1) // MESH_PARALLEL
-    results = await asyncio.gather(*(s.call("links.ssh_check", targets=targets[i:] + targets[:i], connect_timeout=5,
+    hosts = {n: cluster.host(n) for n in names}
+
+    def targets_of(i: int) -> list[dict]:
+        if len(names) > FULL_MESH_NODES:
+            order = mesh_peers(names)[names[i]]
+        else:  # each node starts at itself and goes round: at any moment a node's sshd
+            order = names[i:] + names[:i]  # sees about as many logins as one node makes at once
+        return [{"name": n, "port": hosts[n].port, "user": hosts[n].user} for n in order]
+
+    rounds = (min(len(names), 2 * len(names).bit_length() + 1) + MESH_PARALLEL - 1) // MESH_PARALLEL \
+        if len(names) > FULL_MESH_NODES else (len(names) + MESH_PARALLEL - 1) // MESH_PARALLEL
+    results = await asyncio.gather(*(s.call("links.ssh_check", targets=targets_of(i), connect_timeout=5,
                                             timeout=60 + rounds * 22)
                                      for i, s in enumerate(live)))
     return [SshProbe(src=s.name, dst=r["name"], result=r["result"], detail=r.get("detail", ""))

@@ -235,7 +235,10 @@ async def choose_master(pool: AgentPool, probes: Mapping[str, dict], port: int) 
                              what="rendezvous")
     try:
         reach = await asyncio.gather(*(
-            s.call("probes.connect", addresses=opened["bound"], port=port, timeout=3.0) for s in others
+            # each address tried for 3 s on the node (probes.connect's own default); the call
+            # itself waits longer: hundreds of agents answering at once may take seconds
+            s.call("probes.connect", addresses=opened["bound"], port=port,
+                   timeout=3.0 * len(opened["bound"]) + 30) for s in others
         ))
     finally:
         await s0.call("probes.listen_stop", port=port)

@@ -45,6 +45,7 @@ from corral.errors import (
     PreflightError,
     UsageError,
 )
+from corral.limits import ensure_open_files, files_needed
 from corral.model import Cluster
 from corral.run.control import collect_stacks, control_path, ranks_of, serve
 from corral.run.flightrec import FlightDumps, at_failure, flight_report, save_report
@@ -361,6 +362,8 @@ class Runner:
             plan = build_plan(self.cluster, self.spec, facts, master_addr=master, master_port=int(port),
                               head_env=self.head_env, head_cwd=self.head_cwd)
             _check_shown_ranks(self.options.shown_ranks, plan.world_size)
+            ensure_open_files(files_needed(len(pool.sessions), plan.world_size),  # a log file per rank
+                              f"a run of {plan.world_size} ranks on {len(pool.sessions)} nodes", say=ui.notice)
             if not self._script_checked and not self.spec.module:
                 self._script_checked = True
                 problem, notes = script_checks(self.spec.program, Path(self.head_cwd), launcher=self.spec.launcher,

@@ -250,10 +250,16 @@ class Sandbox(NodeOps, TeardownOps, SlurmOps):
                         raise SandboxError(f"--subnet {sp.subnet} overlaps {clash[0]}, in use on this machine",
                                            hint="pick another --subnet, or leave it out to get a free one")
                 else:
-                    sp = replace(sp, subnet=str(specs.pick_subnet(self.name, in_use)))
+                    sp = replace(sp, subnet=str(specs.pick_subnet(self.name, in_use, sp.nodes)))
                 if "fast" in sp.extra_nics:
-                    fast = specs.pick_subnet(self.name + ":fast", in_use + [sp.network()])
+                    fast = specs.pick_subnet(self.name + ":fast", in_use + [sp.network()], sp.nodes)
                     sp = replace(sp, fast_subnet=str(fast))
+            room = sp.network().num_addresses - specs.FIRST_NODE_HOST - 2
+            if sp.nodes > room:  # a running sandbox grown past its subnet
+                raise SandboxError(f"sandbox {self.name!r} has room for {room} nodes on {sp.subnet}, "
+                                   f"not {sp.nodes}",
+                                   hint=f"`corral sandbox down --name {self.name}` first: a new one gets a "
+                                        "subnet large enough")
             claimed = files.names_claimed(text, exclude=self.name)
             taken = [f"{n.name} ({claimed[n.name]})" for n in sp.all_nodes() if n.name in claimed]
             if taken:

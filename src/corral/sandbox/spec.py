@@ -39,7 +39,10 @@ SPARE_POOLS = (ipaddress.ip_network("172.30.0.0/15"), ipaddress.ip_network("192.
 #: Node ``i`` (1-based) gets host address ``FIRST_NODE_HOST + i`` of its
 #: subnet, so node1 is ``.11``: easy to read, and .2-.10 stay free.
 FIRST_NODE_HOST = 10
-MAX_NODES = 200
+#: 256 nodes (2,048 GPUs at 8 a node) and room above: a sandbox of more than
+#: ``NODES_PER_24`` nodes gets a /23, a bridge holds 1,024 ports.
+MAX_NODES = 500
+NODES_PER_24 = 240
 #: Subnet of a spec whose subnet is still to be picked.
 PLACEHOLDER_SUBNET = "0.0.0.0/32"
 
@@ -146,30 +149,36 @@ def netns_prefix(name: str) -> str:
     return f"corral_{name}_"
 
 
-def subnet_candidates(seed: str) -> Iterable[ipaddress.IPv4Network]:
-    """The /24s of ``SUBNET_POOL`` in an order that starts at a hash of ``seed``.
+def subnet_prefix(nodes: int) -> int:
+    """24 (a /24) up to ``NODES_PER_24`` nodes, 23 above."""
+    return 24 if nodes <= NODES_PER_24 else 23
+
+
+def subnet_candidates(seed: str, nodes: int = 1) -> Iterable[ipaddress.IPv4Network]:
+    """The subnets (/24, or /23 for a large sandbox) of ``SUBNET_POOL`` in an
+    order that starts at a hash of ``seed``.
 
     Distinct names usually land on distinct subnets without coordination; a
     collision with a route in use is resolved by taking the next one.
     """
     digest = int(hashlib.sha256(seed.encode()).hexdigest(), 16)
     for pool in (SUBNET_POOL, *SPARE_POOLS):
-        subnets = list(pool.subnets(new_prefix=24))
+        subnets = list(pool.subnets(new_prefix=subnet_prefix(nodes)))
         start = digest % len(subnets)
         for i in range(len(subnets)):
             yield subnets[(start + i) % len(subnets)]
 
 
 def pick_subnet(
-    seed: str, in_use: Iterable[ipaddress.IPv4Network]
+    seed: str, in_use: Iterable[ipaddress.IPv4Network], nodes: int = 1
 ) -> ipaddress.IPv4Network:
-    """The first candidate /24 for ``seed`` that overlaps nothing in ``in_use``."""
+    """The first candidate subnet for ``seed`` (and ``nodes``) that overlaps nothing in ``in_use``."""
     used = list(in_use)
-    for net in subnet_candidates(seed):
+    for net in subnet_candidates(seed, nodes):
         if not any(net.overlaps(other) for other in used):
             return net
     raise UsageError(
-        f"every /24 of {', '.join(str(p) for p in (SUBNET_POOL, *SPARE_POOLS))} overlaps "
+        f"every /{subnet_prefix(nodes)} of {', '.join(str(p) for p in (SUBNET_POOL, *SPARE_POOLS))} overlaps "
         "a route on this machine",
         hint="pass a free subnet with --subnet, e.g. --subnet 192.168.77.0/24",
     )
@@ -186,7 +195,7 @@ def parse_subnet(text: str, nodes: int) -> ipaddress.IPv4Network:
         raise UsageError(
             f"--subnet {text!r} is too small for {nodes} nodes (node addresses start at "
             f".{FIRST_NODE_HOST + 1})",
-            hint="use a /24 or larger",
+            hint=f"use a /{subnet_prefix(nodes)} or larger",
         )
     return net
 

@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""Scale: what corral costs from 4 to 256 nodes, on one sandbox of the largest size.
+
+    sudo .venv/bin/python bench/bench_scale.py                      # 4,32,128,256 nodes
+    sudo .venv/bin/python bench/bench_scale.py --sizes 4,32 --rounds 3
+    sudo .venv/bin/python bench/bench_scale.py --sizes 256 --only exec
+
+One sandbox of the largest size is started (real sshd per node, all on
+this machine's cores); each size N uses the first N nodes through a cluster
+file of its own.  For each N, in one run:
+
+- **exec**: ``corral exec -- hostname``, cold (no ssh master alive: a fresh
+  runtime dir) and warm (riding the masters the cold run left), against
+  ``pdsh -R ssh -f 32`` (pdsh's default fan-out) and ``pdsh -f N``.  Wall
+  time, and the head's CPU: the command and every process it starts on the
+  head (ssh clients and masters included) run in a cgroup v1 ``cpuacct``
+  group of their own; the nodes' sshd run outside it.  Median of rounds.
+- **launch**: ``corral run --launcher command -n 1`` of a script that prints
+  the wall-clock time it reached user code: seconds from the command's start
+  to the last node's line (and to the command's end).
+- **head**: during a run of N nodes (a sleeping command), the head's
+  resources, sampled every 0.5 s: the corral process's RSS and open fds,
+  processes in its cgroup (ssh clients and masters), RSS of all of them, and
+  the cgroup's CPU% over the run.  Under the soft ``ulimit -n`` of a default
+  login (1024), to show no fd limit is hit.
+- **lost**: the same run, one node partitioned (its link cut): seconds until
+  corral names it lost.
+
+Run as root (the sandbox, the cgroups).  Results go to docs/benchmarks.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+import corral as corral_pkg
+from corral.sandbox import Sandbox
+
+BIN = Path(sys.executable).parent
+CORRAL = str(BIN / "corral")
+CGROOT = Path("/sys/fs/cgroup")
+#: The soft fd limit of a default Linux login, which corral must live within.
+DEFAULT_NOFILE = 1024
+
+
+class Cgroup:
+    """A cgroup v1 group in cpuacct, memory and pids for one measured command."""
+
+    def __init__(self, tag: str) -> None:
+        self.dirs = {c: CGROOT / c / f"corral-bench-{os.getpid()}-{tag}" for c in ("cpuacct", "memory", "pids")}
+        for d in self.dirs.values():
+            d.mkdir(exist_ok=True)
+
+    def join(self) -> None:  # in the child, before exec
+        for d in self.dirs.values():
+            (d / "cgroup.procs").write_text(str(os.getpid()))
+
+    def cpu_s(self) -> float:
+        return int((self.dirs["cpuacct"] / "cpuacct.usage").read_text()) / 1e9
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in (self.dirs["pids"] / "cgroup.procs").read_text().split()]
+
+    def remove(self) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        time.sleep(0.2)
+        for d in self.dirs.values():
+            for _ in range(20):
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+def rss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def subset_cluster(full: Path, n: int, out: Path) -> Path:
+    """A cluster file with the first ``n`` hosts of the sandbox's."""
+    doc = tomllib.loads(full.read_text())
+    c = doc["cluster"]
+    lines = ["[cluster]"]
+    for key in ("name", "python", "user"):
+        lines.append(f'{key} = "{c[key]}"')
+    lines += [f"slots = {c['slots']}", f"port = {c['port']}",
+              "ssh_options = [" + ", ".join(f'"{o}"' for o in c["ssh_options"]) + "]"]
+    for h in doc["hosts"][:n]:
+        lines += ["[[hosts]]", f'name = "{h["name"]}"', f'address = "{h["address"]}"']
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def measured(argv: list[str], env: dict, tag: str, expect_lines: int = 0,
+             timeout: float = 600) -> tuple[float, float]:
+    """(wall s, head CPU s) of ``argv`` run in a cgroup of its own."""
+    cg = Cgroup(tag)
+    try:
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=cg.join)
+        wall = time.perf_counter() - t0
+        cpu = cg.cpu_s()
+    finally:
+        cg.remove()  # ssh masters a cold run left behind count until here: their share
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode != 0 or len(lines) < expect_lines:
+        raise SystemExit(f"{argv[:3]} failed (rc={proc.returncode}):\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+    return wall, cpu
+
+
+def bench_exec(sb: Sandbox, cluster: Path, n: int, rounds: int) -> dict:
+    hosts = sb.nodes[:n]
+    pdsh_env = dict(os.environ, PDSH_SSH_ARGS_APPEND=f"-F {sb.ssh_config}")
+    rows: dict[str, list[tuple[float, float]]] = {"pdsh -f 32": [], f"pdsh -f {n}": [], "corral cold": [],
+                                                   "corral warm": []}
+    for r in range(rounds):
+        for f in (32, n):
+            argv = ["pdsh", "-R", "ssh", "-f", str(f), "-w", ",".join(hosts), "hostname"]
+            rows[f"pdsh -f {f}"].append(measured(argv, pdsh_env, f"pdsh{f}", n))
+        runtime = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))
+        env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime))
+        argv = [CORRAL, "exec", "-c", str(cluster), "--", "hostname"]
+        cg = Cgroup("corral")  # cold and warm in one group: the masters live across both
+        try:
+            for kind in ("cold", "warm"):
+                before, t0 = cg.cpu_s(), time.perf_counter()
+                proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600,
+                                      preexec_fn=cg.join)
+                wall = time.perf_counter() - t0
+                if proc.returncode != 0:
+                    raise SystemExit(f"corral exec failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+                rows[f"corral {kind}"].append((wall, cg.cpu_s() - before))
+        finally:
+            cg.remove()
+            shutil.rmtree(runtime, ignore_errors=True)
+        print(f"    exec round {r + 1}: " + "  ".join(f"{k} {v[-1][0]:.2f}s/{v[-1][1]:.2f}cpu"
+                                                     for k, v in rows.items()), flush=True)
+    return {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in rows.items()}
+
+
+LAUNCH_SCRIPT = "import time, socket; print('in-user-code', repr(time.time()), flush=True)\n"
+SLEEP_SCRIPT = ("import sys, time; print('up', flush=True)\n"
+                "time.sleep(float(sys.argv[1]))\n")
+
+
+def bench_launch(cluster: Path, n: int, work: Path, rounds: int) -> tuple[float, float]:
+    (work / "t.py").write_text(LAUNCH_SCRIPT)
+    firsts, totals = [], []
+    for _ in range(rounds):
+        t0 = time.time()
+        proc = subprocess.run([CORRAL, "run", "-c", str(cluster), "-n", "1", "--launcher", "command",
+                               sys.executable, "t.py"], cwd=work, capture_output=True, text=True, timeout=600)
+        total = time.time() - t0
+        stamps = [float(x) for x in re.findall(r"in-user-code (\d+\.\d+)", proc.stdout)]
+        if proc.returncode != 0 or len(stamps) != n:
+            raise SystemExit(f"launch failed ({len(stamps)}/{n} lines):\n{proc.stderr[-2000:]}")
+        firsts.append(max(stamps) - t0)
+        totals.append(total)
+    return statistics.median(firsts), statistics.median(totals)
+
+
+def bench_run(sb: Sandbox, cluster: Path, n: int, work: Path) -> dict:
+    """Head resources during a run, then one node partitioned: seconds to named."""
+    (work / "s.py").write_text(SLEEP_SCRIPT)
+    cg = Cgroup("run")
+    env = dict(os.environ)
+    argv = ["prlimit", f"--nofile={DEFAULT_NOFILE}:{DEFAULT_NOFILE}", "--",
+            CORRAL, "run", "-c", str(cluster), "-n", "1", "--launcher", "command", sys.executable, "s.py", "600"]
+    proc = subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=cg.join)
+    out: list[str] = []
+    err: list[str] = []
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+    victim = sb.nodes[n - 1]
+    try:
+        t0 = time.monotonic()
+        while sum(" up" in line for line in out) < n:
+            if proc.poll() is not None or time.monotonic() - t0 > 600:
+                raise SystemExit(f"run did not start on {n} nodes:\n{''.join(err)[-2000:]}")
+            time.sleep(0.2)
+        started = time.monotonic() - t0
+        # steady state: 10 s of samples
+        cpu0, s0 = cg.cpu_s(), time.monotonic()
+        peak = {"corral_rss_mb": 0.0, "corral_fds": 0, "head_processes": 0, "all_rss_mb": 0.0}
+        while time.monotonic() - s0 < 10:
+            pids = cg.pids()
+            peak["corral_rss_mb"] = max(peak["corral_rss_mb"], max(rss_kb(p) for p in pids if _is_corral(p)) / 1024)
+            peak["corral_fds"] = max(peak["corral_fds"], max(fds(p) for p in pids if _is_corral(p)))
+            peak["head_processes"] = max(peak["head_processes"], len(pids))
+            peak["all_rss_mb"] = max(peak["all_rss_mb"], sum(rss_kb(p) for p in pids) / 1024)
+            time.sleep(0.5)
+        peak["cpu_percent"] = 100 * (cg.cpu_s() - cpu0) / (time.monotonic() - s0)
+        cut = time.monotonic()
+        sb.partition(victim)
+        while f"{victim} was lost" not in "".join(err):
+            if time.monotonic() - cut > 120:
+                raise SystemExit(f"{victim} not named lost within 120 s:\n{''.join(err)[-2000:]}")
+            time.sleep(0.1)
+        peak["lost_named_s"] = time.monotonic() - cut
+        proc.wait(timeout=120)
+        peak["exit_code"] = proc.returncode
+        peak["started_s"] = started
+        return peak
+    finally:
+        sb.heal(victim)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+        cg.remove()
+
+
+def _is_corral(pid: int) -> bool:
+    try:
+        return b"corral" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1]
+    except (OSError, IndexError):
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="4,32,128,256")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", choices=["exec", "launch", "run"], action="append")
+    ap.add_argument("--keep", action="store_true", help="leave the sandbox up")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    parts = args.only or ["exec", "launch", "run"]
+    compileall.compile_dir(Path(corral_pkg.__file__).parent, quiet=1)
+    sb = Sandbox(name="scale", prefix="sc")
+    t0 = time.monotonic()
+    before = _mem_used_mb()
+    sb.up(max(sizes), with_keys=True)
+    up_s = time.monotonic() - t0
+    time.sleep(2)
+    per_node = (_mem_used_mb() - before) / max(sizes)
+    print(f"sandbox up {max(sizes)} nodes: {up_s:.1f}s, about {per_node:.1f} MB of this machine's memory per node",
+          flush=True)
+    work = Path(tempfile.mkdtemp(prefix="scale-"))
+    results = {}
+    try:
+        for n in sizes:
+            cluster = subset_cluster(sb.cluster_file, n, work / f"c{n}.toml")
+            res: dict = {}
+            print(f"\n== {n} nodes", flush=True)
+            if "exec" in parts:
+                res["exec"] = bench_exec(sb, cluster, n, args.rounds)
+            if "launch" in parts:
+                res["launch"] = bench_launch(cluster, n, work, args.rounds)
+                print(f"    launch: last node in user code {res['launch'][0]:.2f}s, command {res['launch'][1]:.2f}s",
+                      flush=True)
+            if "run" in parts:
+                res["run"] = bench_run(sb, cluster, n, work)
+                print("    run: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                              for k, v in res["run"].items()), flush=True)
+            results[n] = res
+        report(results, sizes)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if not args.keep:
+            sb.down()
+
+
+def report(results: dict, sizes: list[int]) -> None:
+    print("\n| nodes | pdsh -f 32 wall / head CPU | pdsh -f N | corral cold | corral warm | "
+          "cold CPU vs pdsh -f 32 | launch to user code | lost named | corral RSS | corral fds | head procs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for n in sizes:
+        r = results[n]
+        e = r.get("exec")
+        cells = [str(n)]
+        if e:
+            pd, pn, cc, cw = e["pdsh -f 32"], e[f"pdsh -f {n}"], e["corral cold"], e["corral warm"]
+            cells += [f"{pd[0]:.2f}s / {pd[1]:.2f}s", f"{pn[0]:.2f}s / {pn[1]:.2f}s",
+                      f"{cc[0]:.2f}s / {cc[1]:.2f}s", f"{cw[0]:.2f}s / {cw[1]:.2f}s", f"{cc[1] / pd[1]:.2f}x"]
+        else:
+            cells += ["-"] * 5
+        cells.append(f"{r['launch'][0]:.2f}s" if "launch" in r else "-")
+        if "run" in r:
+            u = r["run"]
+            cells += [f"{u['lost_named_s']:.1f}s", f"{u['corral_rss_mb']:.0f} MB", str(u["corral_fds"]),
+                      str(u["head_processes"])]
+        else:
+            cells += ["-"] * 4
+        print("| " + " | ".join(cells) + " |")
+    if len(sizes) > 1 and all("launch" in results[n] for n in sizes):
+        lo, hi = results[sizes[0]]["launch"][0], results[sizes[-1]]["launch"][0]
+        print(f"\nlaunch {sizes[-1]} nodes / {sizes[0]} nodes: {hi / lo:.2f}x (goal <= 3x)")
+
+
+def _mem_used_mb() -> float:
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, value = line.split(":", 1)
+        info[key] = int(value.split()[0])
+    return (info["MemTotal"] - info["MemAvailable"]) / 1024
+
+
+if __name__ == "__main__":
+    main()
