@@ -122,13 +122,13 @@ def subset_cluster(full: Path, n: int, out: Path) -> Path:
 
 
 def measured(argv: list[str], env: dict, tag: str, expect_lines: int = 0,
-             timeout: float = 600) -> tuple[float, float]:
+             timeout: float = 600, cwd: Path | None = None) -> tuple[float, float]:
     """(wall s, head CPU s) of ``argv`` run in a cgroup of its own."""
     cg = Cgroup(tag)
     try:
         t0 = time.perf_counter()
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=cg.join)
+                              preexec_fn=cg.join, cwd=cwd)
         wall = time.perf_counter() - t0
         cpu = cg.cpu_s()
     finally:
@@ -174,8 +174,16 @@ SLEEP_SCRIPT = ("import sys, time; print('up', flush=True)\n"
                 "time.sleep(float(sys.argv[1]))\n")
 
 
-def bench_launch(cluster: Path, n: int, work: Path, rounds: int) -> tuple[float, float]:
+def bench_sync(cluster: Path, n: int, work: Path) -> tuple[float, float]:
+    """The work dir (the scripts below) onto every node: (wall s, head CPU s).
+    The runs below need it there (the nodes' /tmp is their own)."""
     (work / "t.py").write_text(LAUNCH_SCRIPT)
+    (work / "s.py").write_text(SLEEP_SCRIPT)
+    return measured([CORRAL, "sync", "-c", str(cluster)], dict(os.environ, PWD=str(work)),
+                    f"sync{n}", cwd=work)
+
+
+def bench_launch(cluster: Path, n: int, work: Path, rounds: int) -> tuple[float, float]:
     firsts, totals = [], []
     for _ in range(rounds):
         t0 = time.time()
@@ -192,10 +200,9 @@ def bench_launch(cluster: Path, n: int, work: Path, rounds: int) -> tuple[float,
 
 def bench_run(sb: Sandbox, cluster: Path, n: int, work: Path) -> dict:
     """Head resources during a run, then one node partitioned: seconds to named."""
-    (work / "s.py").write_text(SLEEP_SCRIPT)
     cg = Cgroup("run")
     env = dict(os.environ)
-    argv = ["prlimit", f"--nofile={DEFAULT_NOFILE}:{DEFAULT_NOFILE}", "--",
+    argv = ["prlimit", f"--nofile={DEFAULT_NOFILE}:", "--",  # the soft limit; the hard one as it is
             CORRAL, "run", "-c", str(cluster), "-n", "1", "--launcher", "command", sys.executable, "s.py", "600"]
     proc = subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=cg.join)
@@ -260,13 +267,11 @@ def main() -> None:
     compileall.compile_dir(Path(corral_pkg.__file__).parent, quiet=1)
     sb = Sandbox(name="scale", prefix="sc")
     t0 = time.monotonic()
-    before = _mem_used_mb()
     sb.up(max(sizes), with_keys=True)
     up_s = time.monotonic() - t0
-    time.sleep(2)
-    per_node = (_mem_used_mb() - before) / max(sizes)
-    print(f"sandbox up {max(sizes)} nodes: {up_s:.1f}s, about {per_node:.1f} MB of this machine's memory per node",
-          flush=True)
+    per_node = node_rss_mb(sb)
+    print(f"sandbox up {max(sizes)} nodes: {up_s:.1f}s (0 s when it was up already); its processes on an idle "
+          f"node (init, sshd): {per_node:.1f} MB RSS", flush=True)
     work = Path(tempfile.mkdtemp(prefix="scale-"))
     results = {}
     try:
@@ -276,6 +281,8 @@ def main() -> None:
             print(f"\n== {n} nodes", flush=True)
             if "exec" in parts:
                 res["exec"] = bench_exec(sb, cluster, n, args.rounds)
+            res["sync"] = bench_sync(cluster, n, work)
+            print(f"    sync (2 small files): {res['sync'][0]:.2f}s, head CPU {res['sync'][1]:.2f}s", flush=True)
             if "launch" in parts:
                 res["launch"] = bench_launch(cluster, n, work, args.rounds)
                 print(f"    launch: last node in user code {res['launch'][0]:.2f}s, command {res['launch'][1]:.2f}s",
@@ -286,8 +293,8 @@ def main() -> None:
                                               for k, v in res["run"].items()), flush=True)
             results[n] = res
         report(results, sizes)
+        shutil.rmtree(work, ignore_errors=True)  # kept after a failure: its runs/ say what happened
     finally:
-        shutil.rmtree(work, ignore_errors=True)
         if not args.keep:
             sb.down()
 
@@ -319,12 +326,14 @@ def report(results: dict, sizes: list[int]) -> None:
         print(f"\nlaunch {sizes[-1]} nodes / {sizes[0]} nodes: {hi / lo:.2f}x (goal <= 3x)")
 
 
-def _mem_used_mb() -> float:
-    info = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, value = line.split(":", 1)
-        info[key] = int(value.split()[0])
-    return (info["MemTotal"] - info["MemAvailable"]) / 1024
+def node_rss_mb(sb: Sandbox) -> float:
+    """Mean RSS of the processes in one idle node's namespace (its init and sshd)."""
+    from corral.sandbox import netns
+
+    spec = sb.spec
+    names = [spec.node(i).netns for i in range(1, min(spec.nodes, 16) + 1)]
+    pids = netns.pids_by_netns(names)
+    return statistics.mean(sum(rss_kb(p) for p in pids[n]) for n in names) / 1024
 
 
 if __name__ == "__main__":
