@@ -860,3 +860,30 @@ def test_a_rendezvous_check_frees_its_port_before_listen_stop_returns() -> None:
         job.listen()
     finally:
         job.close()
+
+
+def test_an_agent_that_stops_for_a_silent_head_is_named_so_not_as_a_crash() -> None:
+    """A head too busy to ping (hundreds of nodes on a loaded machine): the
+    agent stops its job as designed, and the head says that is why, rather
+    than "ssh ended without a message"."""
+    events: list[dict] = []
+
+    async def main() -> None:
+        pool = AgentPool(_local(), tag="t", on_event=lambda s, e: events.append(e), head_timeout=2.0)
+        await pool.open()
+        try:
+            s = pool.sessions[0]
+            for task in s._tasks:  # the head goes silent (it still reads)
+                if "_ping" in repr(task.get_coro()):
+                    task.cancel()
+            for _ in range(200):
+                if any(e.get("ev") == "closed" for e in events):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    closed = [e for e in events if e.get("ev") == "closed"]
+    assert closed, events
+    assert "its agent stopped: it heard nothing from this machine for 2 s" in closed[0]["error"], closed

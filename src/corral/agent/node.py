@@ -99,6 +99,7 @@ _AGENT_PID = os.getpid()
 #: How often the agent says it is alive, and how long it tolerates a silent head.
 HEARTBEAT_S = 1.0
 DEFAULT_HEAD_TIMEOUT_S = 10.0
+HEAD_SILENT = "head silent for %.0f s: stopping"
 
 
 # --------------------------------------------------------------------------
@@ -198,6 +199,7 @@ class Agent:
                 self.inbox.put({"op": "eof"})
                 return
             if time.monotonic() - self.last_heard > self.head_timeout:
+                self.chan.send(ev="log", level="warning", t=HEAD_SILENT % self.head_timeout)  # the head says why
                 self.inbox.put({"op": "stop", "grace": 2.0, "reason": "head silent"})
                 self.inbox.put({"op": "eof"})
                 return

@@ -71,6 +71,8 @@ class AgentSession:
     last_heard: float = 0.0
     closed: bool = False
     exit_event: Event | None = None
+    #: Set ("10 s") when the agent said it stops because the head went silent.
+    head_silent: str = ""
     _stderr: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50))
     #: What the login shell printed on stdout before the agent started (should be nothing).
     login_output: list[str] = field(default_factory=list)
@@ -245,6 +247,8 @@ class AgentSession:
             return
         if kind == "exit":
             self.exit_event = ev
+        if kind == "log" and str(ev.get("t", "")).startswith("head silent for "):
+            self.head_silent = str(ev["t"]).split(":")[0][len("head silent for "):]  # "10 s"
         if self.on_event is not None:
             try:
                 self.on_event(self, ev)
@@ -285,6 +289,11 @@ class AgentSession:
         # Give the stderr reader a moment to collect ssh's last words.
         await asyncio.sleep(0.05)
         err = self.transport.failure(self.host, rc, self.stderr_text)
+        if self.head_silent:  # the agent left by itself, and said why
+            err = HostError(self.name, f"its agent stopped: it heard nothing from this machine for "
+                                       f"{self.head_silent} (this machine too busy to write to it, or the "
+                                       "connection stalled one way)", kind="head-silent",
+                            hint="a loaded head: --node-timeout longer; otherwise see the node's link")
         if self._hello is not None and not self._hello.done():
             self._hello.set_exception(err)
         for fut in self._pending.values():
