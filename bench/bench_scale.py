@@ -231,7 +231,7 @@ def bench_run(sb: Sandbox, cluster: Path, n: int, work: Path) -> dict:
         peak["cpu_percent"] = 100 * (cg.cpu_s() - cpu0) / (time.monotonic() - s0)
         cut = time.monotonic()
         sb.partition(victim)
-        while f"{victim} was lost" not in "".join(err):
+        while f"{victim} was lost" not in "".join(out) + "".join(err):  # said live on stdout, then in the summary
             if time.monotonic() - cut > 120:
                 raise SystemExit(f"{victim} not named lost within 120 s:\n{''.join(err)[-2000:]}")
             time.sleep(0.1)

@@ -39,6 +39,8 @@ def test_env_mismatch_names_start_up_variables_only() -> None:
     base = {"PATH": "/bin", "OMP_NUM_THREADS": "4", "HOME": "/root"}
     assert env_mismatch(base, dict(base, RANK="3", MASTER_ADDR="x", NCCL_DEBUG="INFO")) is None
     assert env_mismatch(base, dict(base, TORCHELASTIC_RUN_ID="r", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")) is None
+    # read per torch.cuda.is_available() call; set by importing Lightning (a head that did forwards it)
+    assert env_mismatch(base, dict(base, PYTORCH_NVML_BASED_CUDA_CHECK="1")) is None
     assert env_mismatch(base, dict(base, TORCH_LOGS="+dynamo")) == "TORCH_LOGS"
     assert env_mismatch(base, dict(base, LD_PRELOAD="/x.so")) == "LD_PRELOAD"
     assert env_mismatch(base, dict(base, PYTHONHASHSEED="0")) == "PYTHONHASHSEED"

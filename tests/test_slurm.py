@@ -190,6 +190,23 @@ def test_train_ddp_in_salloc_over_srun_with_no_ssh_key(slurm_sandbox, env) -> No
     assert_clean(slurm_sandbox, env, within=10)
 
 
+@pytest.mark.parametrize("launcher,script", [
+    # Lightning's SLURMEnvironment would take the agent step's SLURM_PROCID/SLURM_NTASKS
+    # over corral's ranks (every node rank 0, or a hang): the agent leaves the step's out
+    ("lightning", ["examples/launchers/lightning_train.py", "--devices", "1", "--num-nodes", str(NODES)]),
+    ("accelerate", ["examples/launchers/accelerate_train.py"]),
+])
+def test_each_launchers_own_script_runs_in_salloc_over_srun(slurm_sandbox, env, launcher: str,
+                                                            script: list[str]) -> None:
+    res = salloc_run(env, ["-n", "1", "--launcher", launcher, *script], REPO, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.search(r"from Slurm allocation \d+", res.stderr)
+    assert f"{NODES} ranks on {NODES} node(s)" in res.stderr, res.stderr[-2000:]
+    m = re.search(r"first loss ([\d.]+) \| final loss ([\d.]+)", res.stdout)
+    assert m and float(m.group(2)) < float(m.group(1)), res.stdout[-2000:]
+    assert_clean(slurm_sandbox, env, within=10)
+
+
 def test_rank_crash_ends_the_step_and_the_job_and_is_named(slurm_sandbox, env, workdir: Path) -> None:
     write(workdir / "crash.py", """
         import time

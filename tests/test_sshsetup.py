@@ -741,7 +741,8 @@ def test_wrong_password_names_the_hosts(pw_sandbox, tmp_path: Path) -> None:
 def test_root_setup_with_etc_hosts_then_deepspeed_pdsh_runner(pw_sandbox, torch_extensions) -> None:
     """Root already has the head's key ("or already by key"); nodes know nothing
     of each other.  After setup, DeepSpeed's own runner (pdsh -R ssh) launches a
-    3-node gloo job from the first node with no manual step."""
+    2-node gloo job from the first node with no manual step (every rank imports
+    DeepSpeed twice: two nodes are a multi-node job at two thirds of three's CPU)."""
     cluster = str(pw_sandbox.cluster_file)
     before = {n: node_state(pw_sandbox, n) for n in pw_sandbox.nodes}
     res = corral(
@@ -760,7 +761,7 @@ def test_root_setup_with_etc_hosts_then_deepspeed_pdsh_runner(pw_sandbox, torch_
         "      flush=True)\n"
         "dist.destroy_process_group()\n"
     )
-    hostfile = "".join(f"{n} slots=1\n" for n in pw_sandbox.nodes)
+    hostfile = "".join(f"{n} slots=1\n" for n in pw_sandbox.nodes[:2])
     for n in pw_sandbox.nodes:  # /srv is private to each node: the same files at the same path
         d = pw_sandbox.node_dir(n) / "srv" / "ds"
         d.mkdir(parents=True, exist_ok=True)
@@ -784,7 +785,7 @@ def test_root_setup_with_etc_hosts_then_deepspeed_pdsh_runner(pw_sandbox, torch_
         timeout=300,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count("sum=6") == 3, run.stdout[-3000:]
+    assert run.stdout.count("sum=3") == 2, run.stdout[-3000:]
     down = corral("ssh", "teardown", "-c", cluster, "--id", "rootmesh")
     assert down.returncode == 0, down.stderr
     for n in pw_sandbox.nodes:

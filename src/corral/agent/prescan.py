@@ -21,9 +21,13 @@ SENSITIVE_PREFIXES = (
     "NPY_", "TORCH", "PYTORCH", "CUDA_MODULE_LOADING",
 )
 #: ... except these, read only later (at process-group or CUDA set-up), and the
-#: ones torchrun itself sets per worker.
+#: ones torchrun itself sets per worker.  ``PYTORCH_NVML_BASED_CUDA_CHECK`` is
+#: read by each ``torch.cuda.is_available()`` call; importing Lightning sets it
+#: in its process, and so in the environment of everything that process
+#: starts (a head that imported Lightning forwarded it, and its ranks were
+#: never preloaded).
 INSENSITIVE_PREFIXES = (
-    "TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "TORCH_HOME",
+    "TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "TORCH_HOME", "PYTORCH_NVML_BASED_CUDA_CHECK",
 )
 #: Fixed up: in the rank itself (torchrun sets OMP_NUM_THREADS to 1 for several
 #: ranks per node), or in the prewarmed torchrun before the zygote is forked
