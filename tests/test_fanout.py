@@ -421,3 +421,17 @@ def test_nodes_over_ssh_reach_the_terminal_bounded_and_without_controls(sandbox)
     # Every node said the same, cut at the same place: one group.
     said = len(b"\x1b]52;c;cHduZWQ=\x07\x1b]0;owned\x07\x1b[31mred\x1b[0m ok\n") + 3 * 1024 * 1024
     assert res.stdout.count("-----\n") == 1 and res.stdout.count(cut_marker(said - MAX_OUTPUT)) == 1
+
+
+def test_progress_is_reported_while_hosts_are_still_running(monkeypatch) -> None:
+    """Hundreds of nodes take seconds: the caller hears how far it is."""
+    from corral.model import Cluster, Host
+    from corral.transport import fanout
+    from corral.transport.fanout import run_everywhere
+
+    monkeypatch.setattr(fanout, "PROGRESS_S", 0.2)
+    hosts = tuple(Host(name=f"n{i}", local=True) for i in range(3))
+    seen: list[tuple[int, int]] = []
+    results = run_everywhere(Cluster(hosts=hosts, source="test"), "sleep 1", on_progress=lambda d, t: seen.append((d, t)))
+    assert all(r.returncode == 0 for r in results)
+    assert seen and all(t == 3 and 0 <= d < 3 for d, t in seen), seen

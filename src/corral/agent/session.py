@@ -30,6 +30,7 @@ from corral.limits import ensure_open_files, files_needed
 from corral.frames import MAX_FRAME, FrameError, FrameReader, ProtocolErrors, check_frame
 from corral.model import Cluster, Host
 from corral.transport import Transport, transport_for
+from corral.transport.fanout import PROGRESS_HOSTS, PROGRESS_S
 from corral.transport.ssh import SHELL_READ_INPUT, python_hint, shell_read_input
 
 log = logging.getLogger(__name__)
@@ -462,11 +463,23 @@ class AgentPool:
                 except HostError as e:
                     return e
 
-        results = await asyncio.gather(*(one(s) for s in self.sessions))
+        progress = asyncio.create_task(self._progress()) if len(self.sessions) >= PROGRESS_HOSTS else None
+        try:
+            results = await asyncio.gather(*(one(s) for s in self.sessions))
+        finally:
+            if progress is not None:
+                progress.cancel()
         problems = [r for r in results if r is not None]
         if problems:
             await self.close()
             raise PreflightError(problems, what="connecting")
+
+    async def _progress(self) -> None:
+        """Hundreds of nodes take seconds to connect: say how far it is."""
+        while True:
+            await asyncio.sleep(PROGRESS_S)
+            up = sum(1 for s in self.sessions if s.hello)
+            ui.notice(f"connected to {up} of {len(self.sessions)} nodes...")
 
     async def call_all(
         self, fn: str, args_for: Callable[[AgentSession], dict] | None = None, *, timeout: float = 30.0

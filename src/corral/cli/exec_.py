@@ -10,7 +10,7 @@ from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
 from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, UsageError
 from corral.frames import terminal_safe
-from corral.transport.fanout import command_line, run_everywhere
+from corral.transport.fanout import PROGRESS_HOSTS, command_line, run_everywhere
 from corral.transport.gather import group_results
 from corral.transport.ssh import SSH_ERROR
 
@@ -57,7 +57,8 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
     interrupted = False
     try:
         results = run_everywhere(cluster, text, timeout=timeout, fanout=fanout,
-                                 on_line=live if no_fold and not as_json else None)
+                                 on_line=live if no_fold and not as_json else None,
+                                 on_progress=_progress if len(cluster.hosts) >= PROGRESS_HOSTS else None)
     except KeyboardInterrupt as stop:
         # Ctrl-C: every node has stopped; still show what they said before it.
         results = getattr(stop, "results", [])
@@ -109,6 +110,10 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
         sys.stderr.write(f"corral: {len(failed)} of {len(results)} host(s) failed: {fold(failed)}\n")
     sys.stderr.flush()
     sys.exit(code)
+
+
+def _progress(done: int, total: int) -> None:
+    ui.notice(f"{done} of {total} hosts done...")
 
 
 def _exit_code(result) -> int:

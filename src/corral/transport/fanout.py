@@ -46,6 +46,11 @@ from corral.transport import transport_for
 from corral.transport.base import Transport
 from corral.transport.ssh import shell_read_input
 
+#: How often ``run_everywhere`` reports progress (when asked to).
+PROGRESS_S = 5.0
+#: From this many hosts on, ``corral exec`` and a run's connect say how far they are.
+PROGRESS_HOSTS = 64
+
 #: One line, no newlines inside quotes and no "!" but ``$!``: safe under sh,
 #: bash, zsh and (non-interactive) csh login shells.  The command runs in the foreground,
 #: in the user's login shell, ``$SHELL -c CMD``, as under ``ssh host CMD``
@@ -224,8 +229,12 @@ def run_everywhere(
     fanout: int = 64,
     connect_timeout: float = 10.0,
     on_line: LineCallback | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> list[HostResult]:
     """``command`` (a shell command line) on every host; results in host order.
+
+    ``on_progress(done, total)`` is called every ``PROGRESS_S`` seconds while
+    hosts are still running (hundreds of nodes take seconds to answer).
 
     At most ``fanout`` hosts run at once.  ``on_line(host, stream, line)`` sees
     every complete line as it arrives.  SIGINT, SIGTERM, SIGHUP or SIGQUIT (when
@@ -235,6 +244,7 @@ def run_everywhere(
     """
     results: dict[str, HostResult] = {}
     pending = deque(cluster.hosts)
+    last_progress = time.monotonic()
     running: list[_Job] = []
     sel = selectors.DefaultSelector()
     with _signals_to_pipe() as wakeup:
@@ -252,7 +262,13 @@ def run_everywhere(
                         sel.register(job.proc.stderr, selectors.EVENT_READ, (job, "err"))  # type: ignore[arg-type]
                 if not running:
                     continue
-                for key, _ in sel.select(_wait(running)):
+                wait = _wait(running)
+                if on_progress is not None:
+                    wait = PROGRESS_S if wait is None else min(wait, PROGRESS_S)
+                    if time.monotonic() - last_progress >= PROGRESS_S:
+                        last_progress = time.monotonic()
+                        on_progress(len(results), len(cluster.hosts))
+                for key, _ in sel.select(wait):
                     if key.data is None:  # a signal arrived
                         os.read(key.fd, 512)
                         if not stopping:
