@@ -320,8 +320,6 @@ class Agent:
         proc, self.prewarmed = self.prewarmed, None
         argv = list(spec["argv"])
         if proc is None:
-            if spec.get("preload") and argv[:3] == self.prewarmed_argv:
-                self.fresh_note = "the prewarmed launcher could not be started on this node"
             return None
         if proc.poll() is not None and spec.get("preload") and argv[:3] == self.prewarmed_argv:
             # Never silently: a user who asked for preloaded ranks is told why not.
