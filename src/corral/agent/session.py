@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from corral.agent.bundle import payload, remote_argv
 from corral import ui
+from corral.agent.bundle import payload, remote_argv
 from corral.errors import HostError, PreflightError
-from corral.limits import ensure_open_files, files_needed
 from corral.frames import MAX_FRAME, FrameError, FrameReader, ProtocolErrors, check_frame
+from corral.limits import ensure_open_files, files_needed
 from corral.model import Cluster, Host
 from corral.transport import Transport, transport_for
 from corral.transport.fanout import PROGRESS_HOSTS, PROGRESS_S
