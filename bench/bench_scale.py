@@ -42,8 +42,9 @@ import sys
 import tempfile
 import threading
 import time
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import corral as corral_pkg
 from corral.sandbox import Sandbox
@@ -127,7 +128,7 @@ def measured(argv: list[str], env: dict, tag: str, expect_lines: int = 0,
     cg = Cgroup(tag)
     try:
         t0 = time.perf_counter()
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, check=False,
                               preexec_fn=cg.join, cwd=cwd)
         wall = time.perf_counter() - t0
         cpu = cg.cpu_s()
