@@ -70,7 +70,7 @@ def sandbox() -> None:
               help="fast: a second, unshaped network on eth1; decoy: a docker0-like 172.17.0.1/16 on every node. Repeatable.")
 @click.option("--slots", type=int, help="Processes per node written to the hostfile and corral.toml [default: 2].")
 @click.option("--prefix", help="Node name prefix for a new sandbox [default: node -> node1..nodeN].")
-@click.option("--subnet", help="IPv4 subnet for the nodes [default: a free /24 derived from the name].")
+@click.option("--subnet", help="IPv4 subnet for the nodes [default: a free /24 derived from the name; a /23 above 240 nodes].")
 @click.option("--share", "share", multiple=True, metavar="DIR",
               help="Mount this head directory under /tmp, /var/tmp or /srv through into every node "
                    "(like an NFS-mounted project; else those stay private per node). Repeatable.")
