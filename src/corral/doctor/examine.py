@@ -354,17 +354,13 @@ async def _ports(live: list[AgentSession], targets: Mapping[str, list[str]],
 async def _ssh(live: list[AgentSession], cluster: Cluster) -> list[SshProbe]:
     names = [s.name for s in live]
     hosts = {n: cluster.host(n) for n in names}
-
-    def targets_of(i: int) -> list[dict]:
-        if len(names) > FULL_MESH_NODES:
-            order = mesh_peers(names)[names[i]]
-        else:  # each node starts at itself and goes round: at any moment a node's sshd
-            order = names[i:] + names[:i]  # sees about as many logins as one node makes at once
-        return [{"name": n, "port": hosts[n].port, "user": hosts[n].user} for n in order]
-
-    rounds = (min(len(names), 2 * len(names).bit_length() + 1) + MESH_PARALLEL - 1) // MESH_PARALLEL \
-        if len(names) > FULL_MESH_NODES else (len(names) + MESH_PARALLEL - 1) // MESH_PARALLEL
-    results = await asyncio.gather(*(s.call("links.ssh_check", targets=targets_of(i), connect_timeout=5,
+    peers = mesh_peers(names) if len(names) > FULL_MESH_NODES else None
+    # Up to FULL_MESH_NODES each node starts at itself and goes round: at any moment
+    # a node's sshd sees about as many logins as one node makes at once.
+    orders = [peers[n] if peers else names[i:] + names[:i] for i, n in enumerate(names)]
+    targets = [[{"name": n, "port": hosts[n].port, "user": hosts[n].user} for n in order] for order in orders]
+    rounds = (max(map(len, orders)) + MESH_PARALLEL - 1) // MESH_PARALLEL
+    results = await asyncio.gather(*(s.call("links.ssh_check", targets=targets[i], connect_timeout=5,
                                             timeout=60 + rounds * 22)
                                      for i, s in enumerate(live)))
     return [SshProbe(src=s.name, dst=r["name"], result=r["result"], detail=r.get("detail", ""))
