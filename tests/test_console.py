@@ -108,3 +108,86 @@ def test_a_ranks_terminal_controls_never_reach_the_terminal_but_its_colours_do()
         assert seq not in text, (seq, text)
     assert "[r0] abc\n" in text and "[r0] \x1b[31mred\x1b[0m\tdone\r !\n" in text
     assert "[r1] 10%" in text and "(python)" in text and "[r0] unterminated \n" in text
+
+
+def test_a_terminal_that_stops_reading_neither_stops_the_job_nor_loses_a_line(tmp_path) -> None:
+    """``corral run ... | less`` left unscrolled (or a frozen terminal): the
+    head used to block writing to it, stopped pinging, and the agent stopped
+    the job after 10 s of silence.  Now the run goes on, every line is in the
+    rank's log, and the terminal gets the lines it missed summarised."""
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "talk.py").write_text(
+        "import time\n"
+        "for i in range(1200):\n"  # past stdout's pipe (64 KiB), not past the agent's: it keeps going
+        "    print(f'line {i} ' + 'z' * 60, flush=True)\n"
+        "time.sleep(13)\n"
+        "print('FINAL', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "corral", "run", "--launcher", "command", sys.executable,
+                             "talk.py"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(16)  # nobody reads: stdout's pipe is full after the first ~900 lines
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert "head silent" not in out + err
+    assert out.rstrip().endswith("[r0] FINAL"), out[-1000:]
+    [log] = list(tmp_path.glob("runs/*/*/rank0.log"))
+    assert log.read_text().count("\n") == 1201
+
+
+def test_what_a_stalled_terminal_missed_is_counted_and_each_ranks_last_lines_shown() -> None:
+    """The run loop never waits on the terminal, and the queue for it is bounded."""
+    import os
+    import threading
+    import time
+
+    from corral.run import console as console_mod
+
+    r, w = os.pipe()
+    out = os.fdopen(w, "w")
+    con = RunConsole(multi_host=True, out=out, color=False)
+    con.logs_hint = "runs/X"
+    t0 = time.monotonic()
+    total = 0
+    for i in range(60000):  # ~9 MB for a terminal that reads nothing
+        for rank in (0, 1):
+            con.line("node1", rank, "log", f"rank {rank} step {i} " + "q" * 60)
+            total += 1
+    assert time.monotonic() - t0 < 30  # it never blocked (a blocked write would hang here)
+    assert con._writer.backlog <= console_mod.BACKLOG_BYTES + 200
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(iter(lambda: os.read(r, 1 << 16), b"")))
+    reader.start()
+    con.message("done")
+    con.close()
+    out.close()
+    reader.join()
+    text = b"".join(got).decode()
+    lines = text.splitlines()
+    [marker] = [ln for ln in lines if "not shown here" in ln]
+    shown = sum(ln.startswith("[node1/r") for ln in lines)
+    hidden = int(marker.split()[1].replace(",", ""))
+    assert "every line is in runs/X" in marker
+    assert shown + hidden == total + 2 * console_mod.TAIL_LINES  # every line shown or counted; the tails repeat
+    after = lines[lines.index(marker) + 1:]
+    assert after[:3] == [f"[node1/r0] rank 0 step {i} " + "q" * 60 for i in (59997, 59998, 59999)]
+    assert after[3:6] == [f"[node1/r1] rank 1 step {i} " + "q" * 60 for i in (59997, 59998, 59999)]
+    assert len(after) == 6 and "corral: done" in lines  # corral's own lines are never held back
+
+
+def test_a_closed_pipe_ends_the_console_output_not_the_caller() -> None:
+    import os
+
+    r, w = os.pipe()
+    out = os.fdopen(w, "w")
+    os.close(r)  # `corral run ... | head -1` after head has exited
+    con = RunConsole(multi_host=False, out=out, color=False)
+    for i in range(1000):
+        con.line("vm", 0, "log", f"line {i}")
+    con.close()  # no BrokenPipeError reaches the run

@@ -251,6 +251,7 @@ def run(
     # --json: stdout is the result object alone; the ranks' output goes to stderr
     view = RunConsole(multi_host=len(cluster.without_spares().hosts) > 1, status_ranks=status_ranks,
                       out=sys.stderr if as_json else None)
+    view.logs_hint = f"{runs_dir / spec.run_id}"
     runner = Runner(cluster, spec, options, view=view, head_env=os.environ, head_cwd=os.getcwd())
     spares = f" (+{len(cluster.spares)} spare)" if cluster.spares else ""
     ui.notice(f"run {spec.run_id}: {spec.launcher} on {len(cluster.without_spares().hosts)} node(s){spares}; "

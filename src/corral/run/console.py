@@ -7,6 +7,17 @@ terminal; when stdout is not a terminal (CI, ``| tee``), a rank's status is
 printed as a plain line at most every ``PLAIN_STATUS_EVERY_S`` seconds, so
 logs stay readable instead of flooded.
 
+Writing to a real stdout (a terminal, a pipe, a file) happens in a thread
+of its own (``ConsoleWriter``): a terminal slower than the job, a frozen
+one (Ctrl-S) or ``| less`` left unscrolled never stalls the run loop, which
+must keep reading every node, pinging the agents (an agent that hears
+nothing from the head for 10 s stops its job) and watching for lost nodes.
+What is queued for the terminal is bounded (``BACKLOG_BYTES``): past it,
+ranks' lines are counted instead of queued, and once the terminal has caught
+up a marker says how many were not shown, followed by the last lines each
+rank wrote meanwhile.  Every line is still in the run directory's rank logs:
+only the terminal's copy is thinned.  corral's own lines are never dropped.
+
 This is UI: it prints.  The library hands it lines through the ``Sink``
 interface of ``corral.run.watch``.
 """
@@ -15,7 +26,9 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 import time
+from collections import deque
 from typing import TextIO
 
 from corral import ui
@@ -24,6 +37,79 @@ from corral.frames import terminal_safe
 _COLORS = ["36", "32", "35", "33", "34", "96", "92", "95", "93", "94"]
 PLAIN_STATUS_EVERY_S = 15.0
 REDRAW_EVERY_S = 0.1
+#: Text queued for the terminal past which ranks' lines are no longer shown
+#: (they are counted); shown again once the queue is below a quarter of it.
+BACKLOG_BYTES = 4 * 1024 * 1024
+#: Lines kept per rank while lines are not shown, printed after the marker.
+TAIL_LINES = 3
+#: Ranks whose tail is kept (a bound on memory, whatever the nodes send).
+TAIL_RANKS = 4096
+#: Longest tail line kept (a rank's last lines, not its megabyte lines).
+TAIL_CHARS = 2000
+
+
+class ConsoleWriter:
+    """Writes text to ``out`` from a thread of its own, in as few ``write``
+    calls as the terminal allows (all that is queued, joined): the run loop
+    queues and goes on.  ``backlog`` is what is queued and not yet written;
+    the console bounds it.  A closed pipe (``| head``) ends the writing, not
+    the job."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self._pending: list[str] = []
+        self._bytes = 0
+        self._cv = threading.Condition()
+        self._closing = False
+        self.broken = False
+        self._thread = threading.Thread(target=self._loop, name="corral-console", daemon=True)
+        self._thread.start()
+
+    @property
+    def backlog(self) -> int:
+        return self._bytes
+
+    def put(self, text: str) -> None:
+        if not text:
+            return
+        with self._cv:
+            self._pending.append(text)
+            self._bytes += len(text)
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closing:
+                    self._cv.wait()
+                if not self._pending:
+                    return
+                chunk = "".join(self._pending)
+                self._pending.clear()
+            if not self.broken:
+                try:
+                    self.out.write(chunk)
+                    self.out.flush()
+                except (OSError, ValueError):  # the reader went away (| head), or out was closed
+                    self.broken = True
+            with self._cv:
+                self._bytes -= len(chunk)
+
+    def close(self) -> None:
+        """Write what is queued, then end the thread (waits for the terminal)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join()
+
+
+def _has_fd(out: TextIO) -> bool:
+    """A real file (terminal, pipe, file) can block; an in-memory one cannot."""
+    try:
+        out.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
 
 
 def parse_ranks(spec: str) -> set[int] | None:
@@ -67,6 +153,12 @@ class RunConsole:
         self._last_draw = 0.0
         self._last_plain: dict[tuple[str, int | None], float] = {}
         self._launcher_muted = False
+        self._writer = ConsoleWriter(self.out) if _has_fd(self.out) else None
+        #: Ranks' lines not shown since the terminal fell behind, and each rank's last ones.
+        self._hidden = 0
+        self._tails: dict[tuple[str, int | None], deque[str]] = {}
+        #: Where every line is kept, for the marker (``corral logs RUN``, a directory).
+        self.logs_hint = "the run directory's rank logs"
 
     # -- prefixes ----------------------------------------------------------
 
@@ -89,11 +181,16 @@ class RunConsole:
         if rank is None and self._launcher_muted:
             return  # launchers narrating the teardown corral started: in launcher.log only
         self._footer.pop((host, rank), None)  # a finished line replaces a bar
+        if self._behind():
+            self._hide(host, rank, text)
+            return
         self._write(self.prefix(host, rank) + terminal_safe(text) + "\n")
 
     def status(self, host: str, rank: int | None, text: str) -> None:
         if rank is None or (self.status_ranks is not None and rank not in self.status_ranks):
             return
+        if self._behind():
+            return  # a bar's latest state is drawn again once the terminal has caught up
         text = terminal_safe(text)
         key = (host, rank)
         if self.tty:
@@ -116,12 +213,45 @@ class RunConsole:
         """corral is tearing the job down: launchers' own shutdown chatter goes to the logs only."""
         self._launcher_muted = True
 
+    # -- a terminal slower than the job ---------------------------------------
+
+    def _behind(self) -> bool:
+        """Whether ranks' lines are not shown now; when the terminal has
+        caught up after such a stretch, the marker and tails are written first."""
+        if self._writer is None:
+            return False
+        backlog = self._writer.backlog
+        if self._hidden:
+            if backlog > BACKLOG_BYTES // 4:
+                return True
+            self._show_hidden()
+            return False
+        return backlog > BACKLOG_BYTES
+
+    def _hide(self, host: str, rank: int | None, text: str) -> None:
+        self._hidden += 1
+        key = (host, rank)
+        tail = self._tails.get(key)
+        if tail is None:
+            if len(self._tails) >= TAIL_RANKS:
+                return
+            tail = self._tails[key] = deque(maxlen=TAIL_LINES)
+        tail.append(text[:TAIL_CHARS])
+
+    def _show_hidden(self) -> None:
+        hidden, tails = self._hidden, self._tails
+        self._hidden, self._tails = 0, {}
+        self.message(f"{hidden:,} line(s) of the ranks not shown here: the terminal was slower than the job "
+                     f"(every line is in {self.logs_hint}); the last of each since:")
+        for (host, rank), lines in sorted(tails.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])):
+            for text in lines:
+                self._write(self.prefix(host, rank) + terminal_safe(text) + "\n")
+
     # -- footer ------------------------------------------------------------
 
     def _write(self, text: str) -> None:
         if not self.tty:
-            self.out.write(text)
-            self.out.flush()
+            self._out(text)
             return
         width = max(20, shutil.get_terminal_size((100, 20)).columns - 1)
         parts = []
@@ -132,14 +262,24 @@ class RunConsole:
         for line in lines:
             parts.append(line + "\n")
         self._footer_lines = len(lines)
-        self.out.write("".join(parts))
-        self.out.flush()
+        self._out("".join(parts))
         self._last_draw = time.monotonic()
 
-    def close(self) -> None:
-        """Remove the footer (finished bars were already printed as lines)."""
-        if self.tty and self._footer_lines:
-            self.out.write(f"\x1b[{self._footer_lines}F\x1b[J")
+    def _out(self, text: str) -> None:
+        if self._writer is not None:
+            self._writer.put(text)
+        else:
+            self.out.write(text)
             self.out.flush()
+
+    def close(self) -> None:
+        """Say what was not shown, remove the footer (finished bars were
+        already printed as lines), and wait until the terminal has it all."""
+        if self._hidden:
+            self._show_hidden()
+        if self.tty and self._footer_lines:
+            self._out(f"\x1b[{self._footer_lines}F\x1b[J")
         self._footer.clear()
         self._footer_lines = 0
+        if self._writer is not None:
+            self._writer.close()
