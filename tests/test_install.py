@@ -38,6 +38,9 @@ def _build(backend_call: str, cwd: Path, out: Path) -> Path:
     res = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
                          check=False)
     assert res.returncode == 0, res.stderr[-3000:]
+    # pyproject's `license = { text = ... }` built with a SetuptoolsDeprecationWarning
+    # (such builds stop being supported in 2027-02): the metadata must build clean.
+    assert "DeprecationWarning" not in res.stderr, res.stderr[-3000:]
     return out / res.stdout.strip().splitlines()[-1]
 
 
@@ -91,3 +94,31 @@ def test_the_wheel_built_from_the_sdist_installs_and_runs_as_a_plain_user(user_d
     assert '"schema": "corral.hosts/1"' in out and f"{venv}/bin/python" in out
     assert f"[r0] ran as {os.geteuid() if not user else NOBODY}" in out, out[-2000:]
     assert "_corral_completion()" in out and "HAS-TORCH" not in out
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if "__pycache__" not in p.parts}
+
+
+@pytest.mark.slow
+def test_make_demo_leaves_nothing_of_root_in_the_checkout(tmp_path: Path) -> None:
+    """`make demo` as root left src/corral.egg-info (root's) in the checkout, and a
+    second user's `pip install -e .` from it stopped there.  The Makefile's own
+    rule runs in a copy of the checkout, with pip from the configured index (the
+    demo's requirements emptied and --no-deps: torch is not what is tested)."""
+    if shutil.which("make") is None:
+        pytest.skip("needs make(1)")
+    copy = tmp_path / "checkout"
+    copy.mkdir()
+    for name in ("Makefile", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, copy / name)
+    shutil.copytree(REPO / "src", copy / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    (copy / "requirements-demo.txt").write_text("")
+    before = _tree(copy)
+    venv = tmp_path / "venv"
+    pip = f"{venv}/bin/python -m pip install -q --disable-pip-version-check --no-deps"
+    res = subprocess.run(["make", "-s", f"VENV={venv}", f"PIP={pip}", f"{venv}/.demo-installed"], cwd=copy,
+                         capture_output=True, text=True, timeout=240, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (venv / ".demo-installed").is_file()
+    assert _tree(copy) - before == set()
