@@ -131,6 +131,24 @@ def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: 
     try:
         sup = json.loads(Path(os.environ["HOME"], ".local/state/corral/detached", run,
                               "supervisor.json").read_text())["pid"]
+        # attach to the live job: its console; Ctrl-C detaches, says how to stop, and the job goes on
+        follow = subprocess.Popen(CORRAL + ["attach", run, "--tail", "0"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        assert follow.stdout is not None
+        for line in follow.stdout:
+            if re.search(r"\[r1\] step \d+ rank 1", line):
+                break
+        follow.send_signal(signal.SIGINT)
+        _, err = follow.communicate(timeout=30)
+        assert f"detached from run {run}; it goes on (`corral stop {run}` stops it" in err, err
+        assert pid_alive(sup)
+        # one host's logs; a rank the job does not have is named (it printed nothing, exit 0)
+        host = re.search(r"\[(\S+)/r0\] step 0 rank 0", corral("logs", run, cwd=tmp_path).stdout)
+        assert host, "no rank 0 step 0 in the logs"
+        res = corral("logs", run, "--node", host.group(1), "--tail", "1", cwd=tmp_path)
+        assert res.returncode == 0 and sorted(re.findall(r"\[\S+/r(\d)\] step", res.stdout)) == ["0", "1"], res
+        res = corral("logs", run, "--rank", "2", cwd=tmp_path)
+        assert res.returncode == 2 and f"--rank 2: run {run} has no rank 2 (its ranks are 0-1)" in res.stderr, res
         res = corral("stop", run, cwd=tmp_path)
         assert res.returncode == 130, res.stderr
         assert f"run {run} interrupted" in res.stderr

@@ -344,6 +344,19 @@ def _rank_files(rundir: str, rank, node):
     return sorted(out, key=lambda x: (x[1] is None, x[1] if x[1] is not None else 0, x[0]))
 
 
+def _world_without(rundir: str, rank):
+    """The job's world size when ``rank`` is beyond it and has no log (a rank
+    of an earlier, larger attempt keeps its log): else None.  A rank that only
+    printed nothing yet is no mistake; one the job never had is."""
+    if not isinstance(rank, int) or _rank_files(rundir, rank, None):
+        return None
+    rec = _read_json(os.path.join(rundir, "run.json"))
+    world = rec.get("world_size") if isinstance(rec, dict) else None
+    if isinstance(world, int) and not isinstance(world, bool) and 0 <= world <= rank:
+        return world
+    return None
+
+
 def op_logs(run_id: str, options: str) -> int:
     """Per-rank logs (``options``: JSON rank, node, tail, follow)."""
     opts = json.loads(options)
@@ -353,6 +366,10 @@ def op_logs(run_id: str, options: str) -> int:
         return 0
     rundir = os.path.join(jobdir, run_id)
     rank, node, tail, follow = opts.get("rank"), opts.get("node"), opts.get("tail"), opts.get("follow")
+    world = _world_without(rundir, rank)
+    if world is not None:
+        emit(ev="no_rank", world=world)
+        return 0
     tails = {}
     while True:
         for host, r, path in _rank_files(rundir, rank, node):
