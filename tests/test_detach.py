@@ -32,13 +32,17 @@ from corral.run.supervisor import cluster_from_json, cluster_to_json, node0_view
 REPO = Path(__file__).resolve().parents[1]
 CORRAL = [sys.executable, "-m", "corral"]
 
-#: Prints a step a second (or every 0.3 s) until told how many.
+#: Prints a step every 0.3 s (or argv[2] s) until told how many; with argv[3],
+#: rank 1 is SIGKILLed at that step of the first attempt (a restart gets past it).
 STEPS = """
-    import sys, time
+    import os, signal, sys, time
     import torch.distributed as dist
     dist.init_process_group("gloo")
+    attempt = os.environ.get("CORRAL_ATTEMPT")
     for i in range(int(sys.argv[1])):
-        print("step", i, "rank", dist.get_rank(), flush=True)
+        print("step", i, "rank", dist.get_rank(), "attempt", attempt, flush=True)
+        if len(sys.argv) > 3 and i == int(sys.argv[3]) and dist.get_rank() == 1 and attempt == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0.3)
     dist.destroy_process_group()
 """
@@ -125,7 +129,9 @@ def test_unknown_run_is_named_with_how_to_look_on_the_nodes(tmp_path: Path) -> N
 def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: Path) -> None:
     script = tmp_path / "steps.py"
     script.write_text(textwrap.dedent(STEPS))
-    res = corral("run", "--detach", "-n", "2", str(script), "100000", cwd=tmp_path)
+    # rank 1 is killed at its step 2; the supervisor restarts the job (--max-restarts), as attended
+    res = corral("run", "--detach", "-n", "2", "--max-restarts", "1", str(script), "100000", "0.3", "2",
+                 cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     run = run_id_of(res)
     try:
@@ -136,7 +142,7 @@ def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: 
                                   stderr=subprocess.PIPE, text=True)
         assert follow.stdout is not None
         for line in follow.stdout:
-            if re.search(r"\[r1\] step \d+ rank 1", line):
+            if re.search(r"\[r1\] step \d+ rank 1 attempt 2", line):
                 break
         follow.send_signal(signal.SIGINT)
         _, err = follow.communicate(timeout=30)
@@ -161,10 +167,16 @@ def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: 
         assert res.returncode == 130, res.stderr
         assert "has ended" in res.stderr and f"run {run} interrupted" in res.stderr
         assert re.search(r"\[r1\] step \d+ rank 1", res.stdout), res.stdout  # the console's last lines
+        # complete: every attempt's lines in every rank's log, the restart, the timings
         local = tmp_path / "runs" / run
-        assert any("step 0 rank 0" in p.read_text() for p in local.glob("*/rank0.log"))
+        [log1] = local.glob("*/rank1.log")
+        text = log1.read_text()
+        assert "step 2 rank 1 attempt 1" in text and "step 0 rank 1 attempt 2" in text, text[-2000:]
+        assert "----- corral: restart 1/1 -----" in text
         rec = json.loads((local / "run.json").read_text())
-        assert rec["status"] == "interrupted" and rec["detached"]
+        assert rec["status"] == "interrupted" and rec["detached"] and rec["attempts"] == 2
+        assert rec["restarts"][0]["attempt"] == 1 and "SIGKILL" in rec["restarts"][0]["failure"], rec["restarts"]
+        assert rec["started"] < rec["ended"]
         runs = json.loads(corral("runs", "--json", cwd=tmp_path).stdout)["runs"]
         assert [r["status"] for r in runs if r["run_id"] == run] == ["interrupted"]
     finally:
@@ -172,7 +184,6 @@ def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: 
 
 
 def _forget(run: str) -> None:
-    if os.environ.get("KEEPJOB"): return
     """The job's directory on node 0 (this machine's, or a home the sandbox shares)."""
     shutil.rmtree(Path("/root" if os.geteuid() == 0 else os.path.expanduser("~"),
                        ".local/state/corral/detached", run), ignore_errors=True)
