@@ -380,6 +380,62 @@ def test_supervisors_node_lost_the_others_stop_and_its_logs_are_named(node_ssh, 
     assert_clean(sandbox, within=20)  # and node 1's supervisor tore down its own share
 
 
+#: Runs until a file "release" appears in the work dir (rank 0 decides for every rank).
+SHARED = """
+    import os, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    while True:
+        t = torch.tensor([1.0 if dist.get_rank() == 0 and os.path.exists("release") else 0.0])
+        dist.all_reduce(t)
+        if t.item():
+            break
+        time.sleep(0.2)
+    print("finished", dist.get_rank(), flush=True)
+"""
+
+
+def _procs_of(sandbox, script: str) -> dict[str, int]:
+    return {n: sum(script in line for line in leftovers(sandbox, n)) for n in sandbox.nodes}
+
+
+@pytest.mark.sandbox
+def test_two_detached_jobs_on_gpu_subsets_and_corral_stop_of_one(node_ssh, work: Path) -> None:
+    """Two detached jobs on the same 4 nodes, GPUs 0,1 and 2,3 (CUDA_VISIBLE_DEVICES
+    on CPU nodes): `corral ps` lists both with their GPUs and their own ports;
+    `corral stop` of one leaves the other running on every node, to its end."""
+    sandbox = node_ssh
+    for name in ("share_a.py", "share_b.py"):
+        (work / name).write_text(textwrap.dedent(SHARED))
+    a = detached(sandbox, work, "--gpus", "0,1", "share_a.py")
+    runs, ended = [a], set()
+    try:
+        b = detached(sandbox, work, "--gpus", "2-3", "share_b.py")
+        runs.append(b)
+        jobs = ps(sandbox, work)
+        for run, gpus in ((a, ["0", "1"]), (b, ["2", "3"])):
+            job = jobs[run]
+            assert job["state"] == "running" and job["launcher"] == "torchrun" and job["user"], job
+            assert job["nodes"] == sandbox.nodes and job["gpus"] == {n: gpus for n in sandbox.nodes}, job
+            assert len(job["ports"]) == 1, job
+        assert jobs[a]["ports"] != jobs[b]["ports"]
+        res = corral("stop", b, cwd=work)
+        assert res.returncode == 130 and f"run {b} interrupted" in res.stderr, res.stderr[-3000:]
+        ended.add(b)
+        assert not any(_procs_of(sandbox, "share_b.py").values()), "job b left processes"
+        alive = _procs_of(sandbox, "share_a.py")
+        assert all(n >= 2 for n in alive.values()), f"job a lost processes: {alive}"
+        (work / "release").touch()
+        assert wait_failed(work, a, within=60)["status"] == "succeeded"
+        ended.add(a)
+    finally:
+        for run in runs:
+            if run not in ended:  # the test failed midway
+                corral("stop", run, cwd=work)
+            _forget(run)
+    assert_clean(sandbox, within=15)
+
+
 def test_the_job_document_carries_every_field_of_the_spec_options_and_cluster() -> None:
     # The supervisor failed to start once a field was added that the codec
     # written by hand did not know (a nested RecoveryOptions, .deepspeed_env's
