@@ -134,6 +134,7 @@ def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: 
                  cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     run = run_id_of(res)
+    stopped = False
     try:
         sup = json.loads(Path(os.environ["HOME"], ".local/state/corral/detached", run,
                               "supervisor.json").read_text())["pid"]
@@ -156,6 +157,7 @@ def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: 
         res = corral("logs", run, "--rank", "2", cwd=tmp_path)
         assert res.returncode == 2 and f"--rank 2: run {run} has no rank 2 (its ranks are 0-1)" in res.stderr, res
         res = corral("stop", run, cwd=tmp_path)
+        stopped = True
         assert res.returncode == 130, res.stderr
         assert f"run {run} interrupted" in res.stderr
         assert not head_processes(run) and not head_processes(str(script))  # supervisor, agent, ranks
@@ -180,7 +182,37 @@ def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: 
         runs = json.loads(corral("runs", "--json", cwd=tmp_path).stdout)["runs"]
         assert [r["status"] for r in runs if r["run_id"] == run] == ["interrupted"]
     finally:
+        if not stopped:  # the test failed midway: the job would go on, unseen
+            corral("stop", run, cwd=tmp_path)
         _forget(run)
+
+
+def test_ps_lists_an_attended_job_from_what_its_agents_hold(tmp_path: Path) -> None:
+    # `corral ps` listed detached jobs only: an attended run holding the
+    # node's GPUs and a port (the one a second job is refused for) was not
+    # there.  Now each node also says what live corral jobs hold there.
+    import socket
+
+    script = tmp_path / "steps.py"
+    script.write_text(textwrap.dedent(STEPS))
+    proc = subprocess.Popen(CORRAL + ["run", "-n", "2", str(script), "100000"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "step 0 rank 1" in line:
+                break
+        [run] = [p.name for p in Path(os.environ["CORRAL_RUNS_DIR"]).iterdir()]
+        res = corral("ps", "--json", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        job = {j["run_id"]: j for j in json.loads(res.stdout)["jobs"]}[run]
+        assert job["state"] == "attended" and job["head"] == socket.gethostname() and job["supervisor"] is None
+        assert len(job["nodes"]) == 1 and len(job["ports"]) == 1 and job["since"], job
+        res = corral("ps", cwd=tmp_path)
+        assert re.search(rf"{run} .* attended from", res.stdout), res.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
 
 
 def _forget(run: str) -> None:

@@ -407,8 +407,21 @@ def op_list(which: str = "") -> int:
         jobs.append({"run_id": name, "dir": jobdir, "alive": supervisor_alive(jobdir),
                      "ready": os.path.exists(os.path.join(jobdir, "ready")),
                      "supervisor": sup, "record": rec, "end": end})
-    emit(ev="jobs", jobs=jobs, host=socket.gethostname())
+    emit(ev="jobs", jobs=jobs, holds=[] if which else _holdings(), host=socket.gethostname())
     return 0
+
+
+def _holdings() -> list:
+    """What the live corral jobs of this user hold here (GPUs, ports): the
+    attended jobs too, which have no directory here."""
+    try:
+        try:
+            from corral_agent_holds import holdings
+        except ImportError:
+            from corral.agent.holds import holdings
+        return holdings()
+    except Exception:  # an unsafe or unreadable registry: no holdings to show, never a failed list
+        return []
 
 
 def op_stop(run_id: str) -> int:
