@@ -32,13 +32,17 @@ from corral.run.supervisor import cluster_from_json, cluster_to_json, node0_view
 REPO = Path(__file__).resolve().parents[1]
 CORRAL = [sys.executable, "-m", "corral"]
 
-#: Prints a step a second (or every 0.3 s) until told how many.
+#: Prints a step every 0.3 s (or argv[2] s) until told how many; with argv[3],
+#: rank 1 is SIGKILLed at that step of the first attempt (a restart gets past it).
 STEPS = """
-    import sys, time
+    import os, signal, sys, time
     import torch.distributed as dist
     dist.init_process_group("gloo")
+    attempt = os.environ.get("CORRAL_ATTEMPT")
     for i in range(int(sys.argv[1])):
-        print("step", i, "rank", dist.get_rank(), flush=True)
+        print("step", i, "rank", dist.get_rank(), "attempt", attempt, flush=True)
+        if len(sys.argv) > 3 and i == int(sys.argv[3]) and dist.get_rank() == 1 and attempt == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0.3)
     dist.destroy_process_group()
 """
@@ -125,13 +129,35 @@ def test_unknown_run_is_named_with_how_to_look_on_the_nodes(tmp_path: Path) -> N
 def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: Path) -> None:
     script = tmp_path / "steps.py"
     script.write_text(textwrap.dedent(STEPS))
-    res = corral("run", "--detach", "-n", "2", str(script), "100000", cwd=tmp_path)
+    # rank 1 is killed at its step 2; the supervisor restarts the job (--max-restarts), as attended
+    res = corral("run", "--detach", "-n", "2", "--max-restarts", "1", str(script), "100000", "0.3", "2",
+                 cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     run = run_id_of(res)
+    stopped = False
     try:
         sup = json.loads(Path(os.environ["HOME"], ".local/state/corral/detached", run,
                               "supervisor.json").read_text())["pid"]
+        # attach to the live job: its console; Ctrl-C detaches, says how to stop, and the job goes on
+        follow = subprocess.Popen(CORRAL + ["attach", run, "--tail", "0"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        assert follow.stdout is not None
+        for line in follow.stdout:
+            if re.search(r"\[r1\] step \d+ rank 1 attempt 2", line):
+                break
+        follow.send_signal(signal.SIGINT)
+        _, err = follow.communicate(timeout=30)
+        assert f"detached from run {run}; it goes on (`corral stop {run}` stops it" in err, err
+        assert pid_alive(sup)
+        # one host's logs; a rank the job does not have is named (it printed nothing, exit 0)
+        host = re.search(r"\[(\S+)/r0\] step 0 rank 0", corral("logs", run, cwd=tmp_path).stdout)
+        assert host, "no rank 0 step 0 in the logs"
+        res = corral("logs", run, "--node", host.group(1), "--tail", "1", cwd=tmp_path)
+        assert res.returncode == 0 and sorted(re.findall(r"\[\S+/r(\d)\] step", res.stdout)) == ["0", "1"], res
+        res = corral("logs", run, "--rank", "2", cwd=tmp_path)
+        assert res.returncode == 2 and f"--rank 2: run {run} has no rank 2 (its ranks are 0-1)" in res.stderr, res
         res = corral("stop", run, cwd=tmp_path)
+        stopped = True
         assert res.returncode == 130, res.stderr
         assert f"run {run} interrupted" in res.stderr
         assert not head_processes(run) and not head_processes(str(script))  # supervisor, agent, ranks
@@ -143,18 +169,53 @@ def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: 
         assert res.returncode == 130, res.stderr
         assert "has ended" in res.stderr and f"run {run} interrupted" in res.stderr
         assert re.search(r"\[r1\] step \d+ rank 1", res.stdout), res.stdout  # the console's last lines
+        # complete: every attempt's lines in every rank's log, the restart, the timings
         local = tmp_path / "runs" / run
-        assert any("step 0 rank 0" in p.read_text() for p in local.glob("*/rank0.log"))
+        [log1] = local.glob("*/rank1.log")
+        text = log1.read_text()
+        assert "step 2 rank 1 attempt 1" in text and "step 0 rank 1 attempt 2" in text, text[-2000:]
+        assert "----- corral: restart 1/1 -----" in text
         rec = json.loads((local / "run.json").read_text())
-        assert rec["status"] == "interrupted" and rec["detached"]
+        assert rec["status"] == "interrupted" and rec["detached"] and rec["attempts"] == 2
+        assert rec["restarts"][0]["attempt"] == 1 and "SIGKILL" in rec["restarts"][0]["failure"], rec["restarts"]
+        assert rec["started"] < rec["ended"]
         runs = json.loads(corral("runs", "--json", cwd=tmp_path).stdout)["runs"]
         assert [r["status"] for r in runs if r["run_id"] == run] == ["interrupted"]
     finally:
+        if not stopped:  # the test failed midway: the job would go on, unseen
+            corral("stop", run, cwd=tmp_path)
         _forget(run)
 
 
+def test_ps_lists_an_attended_job_from_what_its_agents_hold(tmp_path: Path) -> None:
+    # `corral ps` listed detached jobs only: an attended run holding the
+    # node's GPUs and a port (the one a second job is refused for) was not
+    # there.  Now each node also says what live corral jobs hold there.
+    import socket
+
+    script = tmp_path / "steps.py"
+    script.write_text(textwrap.dedent(STEPS))
+    proc = subprocess.Popen(CORRAL + ["run", "-n", "2", str(script), "100000"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "step 0 rank 1" in line:
+                break
+        [run] = [p.name for p in Path(os.environ["CORRAL_RUNS_DIR"]).iterdir()]
+        res = corral("ps", "--json", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        job = {j["run_id"]: j for j in json.loads(res.stdout)["jobs"]}[run]
+        assert job["state"] == "attended" and job["head"] == socket.gethostname() and job["supervisor"] is None
+        assert len(job["nodes"]) == 1 and len(job["ports"]) == 1 and job["since"], job
+        res = corral("ps", cwd=tmp_path)
+        assert re.search(rf"{run} .* attended from", res.stdout), res.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
 def _forget(run: str) -> None:
-    if os.environ.get("KEEPJOB"): return
     """The job's directory on node 0 (this machine's, or a home the sandbox shares)."""
     shutil.rmtree(Path("/root" if os.geteuid() == 0 else os.path.expanduser("~"),
                        ".local/state/corral/detached", run), ignore_errors=True)
@@ -349,6 +410,62 @@ def test_supervisors_node_lost_the_others_stop_and_its_logs_are_named(node_ssh, 
         sandbox.heal(first)
         _forget(run)
     assert_clean(sandbox, within=20)  # and node 1's supervisor tore down its own share
+
+
+#: Runs until a file "release" appears in the work dir (rank 0 decides for every rank).
+SHARED = """
+    import os, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    while True:
+        t = torch.tensor([1.0 if dist.get_rank() == 0 and os.path.exists("release") else 0.0])
+        dist.all_reduce(t)
+        if t.item():
+            break
+        time.sleep(0.2)
+    print("finished", dist.get_rank(), flush=True)
+"""
+
+
+def _procs_of(sandbox, script: str) -> dict[str, int]:
+    return {n: sum(script in line for line in leftovers(sandbox, n)) for n in sandbox.nodes}
+
+
+@pytest.mark.sandbox
+def test_two_detached_jobs_on_gpu_subsets_and_corral_stop_of_one(node_ssh, work: Path) -> None:
+    """Two detached jobs on the same 4 nodes, GPUs 0,1 and 2,3 (CUDA_VISIBLE_DEVICES
+    on CPU nodes): `corral ps` lists both with their GPUs and their own ports;
+    `corral stop` of one leaves the other running on every node, to its end."""
+    sandbox = node_ssh
+    for name in ("share_a.py", "share_b.py"):
+        (work / name).write_text(textwrap.dedent(SHARED))
+    a = detached(sandbox, work, "--gpus", "0,1", "share_a.py")
+    runs, ended = [a], set()
+    try:
+        b = detached(sandbox, work, "--gpus", "2-3", "share_b.py")
+        runs.append(b)
+        jobs = ps(sandbox, work)
+        for run, gpus in ((a, ["0", "1"]), (b, ["2", "3"])):
+            job = jobs[run]
+            assert job["state"] == "running" and job["launcher"] == "torchrun" and job["user"], job
+            assert job["nodes"] == sandbox.nodes and job["gpus"] == {n: gpus for n in sandbox.nodes}, job
+            assert len(job["ports"]) == 1, job
+        assert jobs[a]["ports"] != jobs[b]["ports"]
+        res = corral("stop", b, cwd=work)
+        assert res.returncode == 130 and f"run {b} interrupted" in res.stderr, res.stderr[-3000:]
+        ended.add(b)
+        assert not any(_procs_of(sandbox, "share_b.py").values()), "job b left processes"
+        alive = _procs_of(sandbox, "share_a.py")
+        assert all(n >= 2 for n in alive.values()), f"job a lost processes: {alive}"
+        (work / "release").touch()
+        assert wait_failed(work, a, within=60)["status"] == "succeeded"
+        ended.add(a)
+    finally:
+        for run in runs:
+            if run not in ended:  # the test failed midway
+                corral("stop", run, cwd=work)
+            _forget(run)
+    assert_clean(sandbox, within=15)
 
 
 def test_the_job_document_carries_every_field_of_the_spec_options_and_cluster() -> None:

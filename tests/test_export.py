@@ -178,6 +178,37 @@ def test_mpirun_line_starts_one_torchrun_per_node_with_the_jobs_environment(tmp_
     assert "--rdzv-endpoint=a:29500" in tail and tail[-3:] == ["train.py", "--x", "1"]
 
 
+def test_torchrun_lines_run_the_job_each_on_its_node(tmp_path: Path) -> None:
+    """Each line of `corral export torchrun`, run as written (here two
+    "nodes" of this machine, by two names): torchrun's own rendezvous joins
+    them into one job with corral's ranks and the job's environment."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "c.toml").write_text(f'[cluster]\npython = "{sys.executable}"\nslots = 1\n'
+                                     '[[hosts]]\nname = "127.0.0.1"\n[[hosts]]\nname = "localhost"\n')
+    (tmp_path / "who.py").write_text('import os\ne = os.environ\nprint("who", e["RANK"], e["WORLD_SIZE"], '
+                                     'e["GROUP_RANK"], e["MASTER_ADDR"], e.get("MARK"), flush=True)\n')
+    res = export("torchrun", "-c", "c.toml", "--master-port", str(port), "-e", "MARK=a b", "-o", "t.sh", "who.py",
+                 cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = [ln for ln in (tmp_path / "t.sh").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert len(lines) == 2
+    procs = [subprocess.Popen(["sh", "-c", line], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for line in lines]
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=120))
+        finally:
+            proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    said = sorted(ln for out, _ in outs for ln in out.splitlines() if ln.startswith("who "))
+    assert said == ["who 0 2 0 127.0.0.1 a b", "who 1 2 1 127.0.0.1 a b"], outs
+
+
 def test_slots_unknown_is_named_not_guessed(tmp_path: Path) -> None:
     res = export("torchrun", "-H", "gpu1,gpu2", "train.py", cwd=tmp_path)
     assert res.returncode == 2 and "gpu1 has no slots" in res.stderr and "--nproc-per-node" in res.stderr

@@ -344,6 +344,19 @@ def _rank_files(rundir: str, rank, node):
     return sorted(out, key=lambda x: (x[1] is None, x[1] if x[1] is not None else 0, x[0]))
 
 
+def _world_without(rundir: str, rank):
+    """The job's world size when ``rank`` is beyond it and has no log (a rank
+    of an earlier, larger attempt keeps its log): else None.  A rank that only
+    printed nothing yet is no mistake; one the job never had is."""
+    if not isinstance(rank, int) or _rank_files(rundir, rank, None):
+        return None
+    rec = _read_json(os.path.join(rundir, "run.json"))
+    world = rec.get("world_size") if isinstance(rec, dict) else None
+    if isinstance(world, int) and not isinstance(world, bool) and 0 <= world <= rank:
+        return world
+    return None
+
+
 def op_logs(run_id: str, options: str) -> int:
     """Per-rank logs (``options``: JSON rank, node, tail, follow)."""
     opts = json.loads(options)
@@ -353,6 +366,10 @@ def op_logs(run_id: str, options: str) -> int:
         return 0
     rundir = os.path.join(jobdir, run_id)
     rank, node, tail, follow = opts.get("rank"), opts.get("node"), opts.get("tail"), opts.get("follow")
+    world = _world_without(rundir, rank)
+    if world is not None:
+        emit(ev="no_rank", world=world)
+        return 0
     tails = {}
     while True:
         for host, r, path in _rank_files(rundir, rank, node):
@@ -390,8 +407,21 @@ def op_list(which: str = "") -> int:
         jobs.append({"run_id": name, "dir": jobdir, "alive": supervisor_alive(jobdir),
                      "ready": os.path.exists(os.path.join(jobdir, "ready")),
                      "supervisor": sup, "record": rec, "end": end})
-    emit(ev="jobs", jobs=jobs, host=socket.gethostname())
+    emit(ev="jobs", jobs=jobs, holds=[] if which else _holdings(), host=socket.gethostname())
     return 0
+
+
+def _holdings() -> list:
+    """What the live corral jobs of this user hold here (GPUs, ports): the
+    attended jobs too, which have no directory here."""
+    try:
+        try:
+            from corral_agent_holds import holdings
+        except ImportError:
+            from corral.agent.holds import holdings
+        return holdings()
+    except Exception:  # an unsafe or unreadable registry: no holdings to show, never a failed list
+        return []
 
 
 def op_stop(run_id: str) -> int:

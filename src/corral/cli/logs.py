@@ -65,6 +65,11 @@ def logs(cluster_opts: ClusterOptions, rank: int | None, node: str | None, follo
             if kind == "missing":
                 raise UsageError(f"{d.host.name} has no detached run {d.run_id} (removed?)",
                                  hint="`corral ps` lists the jobs on the nodes")
+            if kind == "no_rank":
+                world = ev.get("world") if isinstance(ev.get("world"), int) else 0
+                ranks = f"0-{world - 1}" if world > 1 else "0"
+                raise UsageError(f"--rank {rank}: run {d.run_id} has no rank {rank} (its ranks are {ranks})",
+                                 hint="give one of those, or --node HOST for one host's ranks")
             if kind == "line":
                 host, r = str(ev.get("h", "?")), ev.get("r")
                 files.add((host, r))

@@ -23,17 +23,20 @@ from corral.run import detach
                                                        "on the nodes).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable list.")
 def ps(cluster_opts: ClusterOptions, show_all: bool, as_json: bool) -> None:
-    """List the detached jobs on the cluster's nodes: id, user, launcher,
+    """List the corral jobs on the cluster's nodes: id, user, launcher,
     nodes, GPUs held, ports, since, state.
 
     \b
     Asked of every node (over ssh, in parallel), so it works from any machine
-    that reaches them.  Shows your own jobs: other users' job directories are
-    private.  Without --all, only jobs whose supervisor still runs, and those
-    that ended in the last hour.
+    that reaches them.  Detached jobs come from their directories on node 0;
+    attended ones (`corral run` in someone's terminal) from the GPUs and
+    ports their agents hold on each node, while they run (state `attended`;
+    no launcher known).  Shows your own jobs: other users' are private.
+    Without --all, only jobs that run, and detached ones that ended in the
+    last hour.
     """
     cluster = cluster_opts.load()
-    jobs, problems = detach.list_everywhere(cluster)
+    jobs, holds, problems = detach.list_everywhere(cluster)
     now = time.time()
     rows = []
     for job in jobs:
@@ -54,7 +57,8 @@ def ps(cluster_opts: ClusterOptions, show_all: bool, as_json: bool) -> None:
             "nodes": [str(h) for h in hosts], "supervisor": job.get("node"),
             "gpus": gpus, "ports": [rec["master_port"]] if isinstance(rec.get("master_port"), int) else [],
             "since": sup.get("since") if isinstance(sup.get("since"), (int, float)) else rec.get("started"),
-            "state": state, "failure": failure or end.get("error")})
+            "state": state, "failure": failure or end.get("error"), "head": None})
+    rows += _attended(cluster.names, holds, {job["run_id"] for job in jobs})
     if as_json:
         emit_json("ps", {"jobs": rows, "unreachable": [{"host": p.host, "error": p.message} for p in problems]})
     else:
@@ -63,6 +67,27 @@ def ps(cluster_opts: ClusterOptions, show_all: bool, as_json: bool) -> None:
         err = PreflightError(problems, what="asking")
         ui.notice(f"{err}; jobs whose supervisor runs there are not listed")
         raise SystemExit(3)
+
+
+def _attended(names: list[str], holds: list[dict], detached: set[str]) -> list[dict]:
+    """Rows for the jobs that hold GPUs or ports on the nodes but have no
+    detached directory: attended runs, started from a terminal (``head``)."""
+    by_run: dict[str, list[dict]] = {}
+    for h in holds:
+        if h["run_id"] not in detached:
+            by_run.setdefault(h["run_id"], []).append(h)
+    rows = []
+    for run_id in sorted(by_run, reverse=True):
+        held = by_run[run_id]
+        since = [h["since"] for h in held if h["since"]]
+        rows.append({
+            "run_id": run_id, "user": held[0]["user"], "launcher": "",
+            "nodes": [n for n in names if any(h["host"] == n for h in held)], "supervisor": None,
+            "gpus": {h["host"]: h["gpus"] for h in held if h["gpus"]},
+            "ports": sorted({p for h in held for p in h["ports"].values()}),
+            "since": min(since) if since else None, "state": "attended", "failure": None,
+            "head": held[0]["head"]})
+    return rows
 
 
 def _text(value: object) -> str:
@@ -80,10 +105,12 @@ def _table(rows: list[dict]) -> None:
     for r in rows:
         since = time.strftime("%m-%d %H:%M", time.localtime(r["since"])) if r["since"] else "-"
         gpus = "; ".join(f"{h}:{g}" for h, g in r["gpus"].items()) or "-"
-        color = {"running": "cyan", "succeeded": "green", "failed": "red", "died": "red"}.get(r["state"], "yellow")
-        table.add_row(_text(r["run_id"]), _text(r["user"]), _text(r["launcher"]),
+        color = {"running": "cyan", "attended": "cyan", "succeeded": "green", "failed": "red",
+                 "died": "red"}.get(r["state"], "yellow")
+        state = f"attended from {r['head']}" if r["state"] == "attended" else r["state"]
+        table.add_row(_text(r["run_id"]), _text(r["user"]), _text(r["launcher"] or "-"),
                       _text(fold(r["nodes"])) if r["nodes"] else "-", _text(gpus),
-                      ",".join(map(str, r["ports"])) or "-", since, f"[{color}]{_text(r['state'])}[/]",
+                      ",".join(map(str, r["ports"])) or "-", since, f"[{color}]{_text(state)}[/]",
                       _text(str(r["failure"] or "")[:160]))
     con = ui.console()
     if not con.is_terminal:  # piped (grep, less): rows whole, not cut to 80 columns

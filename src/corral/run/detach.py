@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from corral.agent.holds import clean_holding
 from corral.agent.private import private_dir
 from corral.errors import CorralError, HostError, UsageError
 from corral.frames import MAX_LINE
@@ -40,6 +41,8 @@ from corral.transport import transport_for
 DETACHED_FILE = "detached.json"
 #: Longest line of a node's answer read (a JSON event; a rank's line is at most MAX_LINE).
 MAX_EVENT = MAX_LINE + 64 * 1024
+#: Holdings (jobs' GPUs and ports) read from one node's answer, at most.
+MAX_HOLDINGS = 256
 #: A run directory's pack from a node, at most (bytes unpacked, per file).
 MAX_SYNC_FILE = 1 << 34
 
@@ -270,25 +273,37 @@ def adopt(root: Path, d: Detached) -> Detached:
 
 def list_jobs(cluster: Cluster, host: Host, which: str = "") -> list[dict]:
     """The detached jobs of this user on ``host`` (its answer, checked for shape)."""
+    return _list_node(cluster, host, which)[0]
+
+
+def _list_node(cluster: Cluster, host: Host, which: str = "") -> tuple[list[dict], list[dict]]:
+    """``host``'s detached jobs of this user, and what the live corral jobs of
+    this user hold there (attended ones too), each checked as untrusted input."""
     for ev in node_call(cluster, host, "list", *((which,) if which else ()), timeout=30):
         raise_node_error(host, ev)
         if ev["ev"] == "jobs" and isinstance(ev.get("jobs"), list):
-            return [j for j in ev["jobs"] if isinstance(j, dict) and isinstance(j.get("run_id"), str)]
-    return []
+            jobs = [j for j in ev["jobs"] if isinstance(j, dict) and isinstance(j.get("run_id"), str)]
+            raw = ev.get("holds") if isinstance(ev.get("holds"), list) else []
+            holds = [h for h in map(clean_holding, raw[:MAX_HOLDINGS]) if h is not None and h["run_id"] != "?"]
+            return jobs, [{**h, "host": host.name} for h in holds]
+    return [], []
 
 
-def list_everywhere(cluster: Cluster) -> tuple[list[dict], list[HostError]]:
-    """Every node's detached jobs, in parallel; the nodes that did not answer."""
+def list_everywhere(cluster: Cluster) -> tuple[list[dict], list[dict], list[HostError]]:
+    """Every node's detached jobs, in parallel; what live jobs hold on each
+    node (``host`` added: the cluster's name for it); the nodes that did not answer."""
     jobs: dict[str, dict] = {}
+    holds: list[dict] = []
     problems: list[HostError] = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(cluster.hosts))) as pool:
-        futures = {pool.submit(list_jobs, cluster, h): h for h in cluster.hosts}
+        futures = {pool.submit(_list_node, cluster, h): h for h in cluster.hosts}
         for fut in concurrent.futures.as_completed(futures):
             try:
-                found = fut.result()
+                found, held = fut.result()
             except HostError as e:
                 problems.append(e)
                 continue
+            holds += held
             for job in found:
                 rec = job.get("record") if isinstance(job.get("record"), dict) else {}
                 hosts = {h.get("name") for h in rec.get("hosts", []) if isinstance(h, dict)}
@@ -298,7 +313,7 @@ def list_everywhere(cluster: Cluster) -> tuple[list[dict], list[HostError]]:
                 old = jobs.get(job["run_id"])
                 if old is None or (old.get("alive") is None and job.get("alive") is not None):
                     jobs[job["run_id"]] = job  # a home shared by nodes: the supervisor's own node knows
-    return sorted(jobs.values(), key=lambda j: j["run_id"], reverse=True), problems
+    return sorted(jobs.values(), key=lambda j: j["run_id"], reverse=True), holds, problems
 
 
 def job_state(job: dict) -> str:

@@ -94,20 +94,23 @@ def _cache_dir() -> Path | None:
     return path
 
 
-#: Runs the node-side module: its source and ``private``'s come packed in argv.
+#: Runs the node-side module: its source, ``private``'s and ``holds``' come packed in argv.
 _BOOT = ("import sys,json,zlib,base64,types;"
          "_s=json.loads(zlib.decompress(base64.b64decode('{blob}')));"
-         "_p=types.ModuleType('corral_agent_private');exec(_s[0],_p.__dict__);"
-         "sys.modules['corral_agent_private']=_p;"
-         "_g={{'__name__':'corral_agent_jobs'}};exec(_s[1],_g);"
+         "_p=types.ModuleType('corral_agent_private');sys.modules['corral_agent_private']=_p;"
+         "exec(_s[0],_p.__dict__);"
+         "_h=types.ModuleType('corral_agent_holds');sys.modules['corral_agent_holds']=_h;"
+         "exec(_s[1],_h.__dict__);"
+         "_g={{'__name__':'corral_agent_jobs'}};exec(_s[2],_g);"
          "raise SystemExit(_g['main'](sys.argv[1:]))")
 
 
 @lru_cache(maxsize=1)
 def jobs_program() -> str:
     """``python -c`` source that runs one ``corral.agent.jobs`` operation
-    (argv: op, args); shell-safe (base64), a few kilobytes."""
+    (argv: op, args); shell-safe (base64), a few kilobytes.  ``holds`` comes
+    along: `corral ps` also lists the attended jobs holding GPUs and ports."""
     pkg = resources.files("corral.agent")
-    sources = [pkg.joinpath("private.py").read_text(), pkg.joinpath("jobs.py").read_text()]
+    sources = [pkg.joinpath(name).read_text() for name in ("private.py", "holds.py", "jobs.py")]
     blob = base64.b64encode(zlib.compress(json.dumps(sources).encode(), 9)).decode()
     return _BOOT.format(blob=blob)
