@@ -54,27 +54,23 @@ configs of ../deepspeed, given to ``DeepSpeedPlugin(hf_ds_config=...)``):
   ``DummyOptim``/``DummyScheduler``; the engine builds them and, inside
   ``accelerator.backward``, scales the loss, clips and steps both
   (``opt.step()``, ``sched.step()``, ``clip_grad_norm_`` do nothing);
-- accelerate fills the JSON's ``"auto"`` values (micro-batch from the
-  DataLoader, accumulation, lr and weight decay, bf16 from
-  ``mixed_precision``) but two wrongly and one not at all: ``gradient_clipping``
-  becomes 1.0 whatever the script asks, the scheduler's ``total_num_steps`` is
-  divided by the number of processes (the cosine would end after a third of
-  the run on 3 nodes) and ``cos_min_ratio`` stays "auto" (DeepSpeed refuses
-  it): ``deepspeed_plugin`` fills those three.  So pass the JSON here, not
-  to ``accelerate launch --deepspeed_config_file``;
+- accelerate fills the JSON's ``"auto"`` values, but three badly
+  (``deepspeed_plugin`` fills them, so pass the JSON here, not to ``accelerate
+  launch``): ``gradient_clipping`` becomes 1.0 whatever the script asks,
+  the scheduler's ``total_num_steps`` is divided by the number of processes
+  (the cosine would end after a third of the run on 3 nodes), and
+  ``cos_min_ratio`` stays "auto", which DeepSpeed refuses;
 - the final model under ZeRO-3: each process holds a shard of every weight;
   ``accelerator.get_state_dict(model)`` gathers them and must run on EVERY
   process (on the main one only, it hangs), and only if the JSON says
   ``stage3_gather_16bit_weights_on_model_save`` (``zero3_save_16bit_model``;
-  ds_zero3.json does), else it raises.  No ``from_pretrained`` inside the
-  job: under ZeRO-3 transformers builds that model under ``zero.Init``, a
-  collective; the check reads the safetensors file instead;
+  ds_zero3.json does), else it raises.  The check reads the file back, not
+  with ``from_pretrained``: inside a ZeRO-3 job that is a collective;
 - ``save_state`` has each process write its own ZeRO shard (optimizer state;
   under ZeRO-3 the weights too) to ``ckpt/pytorch_model/`` where it runs, and
   ``load_state`` has each read its own back: ``--out`` must be shared by every
-  node.  With node-local disks, gather every node's shards into one
-  directory before resuming; ``python ckpt/zero_to_fp32.py ckpt fp32``
-  consolidates them into fp32 weights on one machine;
+  node (or gather every node's shards into one directory before resuming;
+  ``python ckpt/zero_to_fp32.py ckpt fp32`` consolidates them);
 - on CPU (gloo, fp32, torch's AdamW: no compiled ops) accelerate must not be
   told the node is a CPU one (``make_accelerator``); DeepSpeed JIT-compiles
   its shared-memory comm op once, into ``$TORCH_EXTENSIONS_DIR``.
@@ -216,6 +212,9 @@ def save_checkpoint(accelerator: Accelerator, out: str) -> None:
 def make_accelerator(args, mixed: str) -> Accelerator:
     """The Accelerator (DeepSpeed with --deepspeed-config, on CPU too), checked to see every process."""
     plugin, handlers = deepspeed_plugin(args), []
+    if plugin and "LOCAL_RANK" not in os.environ:
+        raise SystemExit("train_accelerate.py: --deepspeed-config needs a launcher, even for one process\n"
+                         "HINT: torchrun --nproc-per-node 1 train_accelerate.py ..., or corral run")
     if plugin and not torch.cuda.is_available():
         # told the node is a CPU one (ACCELERATE_USE_CPU: corral, `accelerate launch --cpu`), accelerate
         # drops a DeepSpeed plugin silently; without it, it finds no backend: every rank trains alone
@@ -236,14 +235,14 @@ def make_accelerator(args, mixed: str) -> Accelerator:
 
 
 def save_model(accelerator: Accelerator, model, model_dir: str) -> None:
-    """Every process calls it: under ZeRO-3 get_state_dict gathers the shards (the main process gets them)."""
+    """Every process calls it: get_state_dict gathers ZeRO-3's shards; the main process saves, reads back."""
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(model_dir, state_dict=state)
         saved = load_file(os.path.join(model_dir, "model.safetensors"))
         wrong = [k for k in state if k in saved and not torch.equal(saved[k], state[k].cpu())]
         if wrong or "transformer.wte.weight" not in saved:
-            raise SystemExit(f"train_accelerate.py: the saved model differs from the trained one at {wrong[:3]}")
+            raise SystemExit(f"train_accelerate.py: the saved model differs from the trained one: {wrong[:3]}")
     accelerator.wait_for_everyone()
 
 
