@@ -196,6 +196,7 @@ def test_accelerate_recipe_learns_resumes_exactly_and_saves_a_plain_model(three:
 
 
 @pytest.mark.sandbox
+@pytest.mark.timeout(600)  # the first DeepSpeed test of a fresh checkout compiles DeepSpeed's CPU comm op
 def test_accelerate_deepspeed_zero3_recipe_resumes_exactly_and_its_16bit_save_is_the_trained_model(
         three: Path, workdir: Path, torch_extensions: Path) -> None:
     """ZeRO-3 through accelerate's DeepSpeed plugin (on CPU, where accelerate drops it if told so)."""
