@@ -196,6 +196,23 @@ def test_accelerate_recipe_learns_resumes_exactly_and_saves_a_plain_model(three:
 
 
 @pytest.mark.sandbox
+@pytest.mark.timeout(600)  # the first DeepSpeed test of a fresh checkout compiles DeepSpeed's CPU comm op
+def test_accelerate_deepspeed_zero3_recipe_resumes_exactly_and_its_16bit_save_is_the_trained_model(
+        three: Path, workdir: Path, torch_extensions: Path) -> None:
+    """ZeRO-3 through accelerate's DeepSpeed plugin (on CPU, where accelerate drops it if told so)."""
+    script = RECIPES / "accelerate" / "train_accelerate.py"
+    config = str(RECIPES / "deepspeed" / "ds_zero3.json")
+    curves = stop_and_resume(three, workdir, script, "--dropout", "0.1", "--deepspeed-config", config,
+                             env=(f"TORCH_EXTENSIONS_DIR={torch_extensions}",))
+    assert curves["resumed"] == curves["whole"]
+    a, b = hf_model(workdir / "a" / "model"), hf_model(workdir / "b" / "model")
+    assert_same_weights(a, b)
+    # save_state under ZeRO-3: every rank wrote its own shard of the weights
+    assert len(list((workdir / "a" / "ckpt" / "pytorch_model").glob("zero_pp_rank_*_model_states.pt"))) == 3
+    assert_16bit_save_is_the_consolidated_checkpoint(a, workdir / "a" / "ckpt")
+
+
+@pytest.mark.sandbox
 def test_trainer_recipe_learns_resumes_exactly_and_saves_a_plain_model(three: Path, workdir: Path) -> None:
     script = RECIPES / "trainer" / "train_trainer.py"
     curves = stop_and_resume(three, workdir, script, "--dropout", "0.1")
@@ -242,7 +259,8 @@ def test_deepspeed_zero2_recipe_learns_and_saves_the_trained_model(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["accelerate", "trainer", "deepspeed-zero2", "deepspeed-zero3"])
+@pytest.mark.parametrize("recipe", ["accelerate", "accelerate-zero2", "accelerate-zero3", "trainer",
+                                    "deepspeed-zero2", "deepspeed-zero3"])
 def test_recipes_on_one_gpu(recipe: str, tmp_path: Path, torch_extensions: Path) -> None:
     """On a GPU the recipes pick bf16 by themselves and still save a model that loads."""
     prepare(tmp_path)
