@@ -223,7 +223,12 @@ def bench_run(sb: Sandbox, cluster: Path, n: int, work: Path) -> dict:
         cpu0, s0 = cg.cpu_s(), time.monotonic()
         peak = {"corral_rss_mb": 0.0, "corral_fds": 0, "head_processes": 0, "all_rss_mb": 0.0}
         while time.monotonic() - s0 < 10:
+            if proc.poll() is not None:
+                raise SystemExit(f"run ended early (rc={proc.returncode}):\n{''.join(err)[-2000:]}")
             pids = cg.pids()
+            if not any(_is_corral(p) for p in pids):
+                time.sleep(0.1)
+                continue
             peak["corral_rss_mb"] = max(peak["corral_rss_mb"], max(rss_kb(p) for p in pids if _is_corral(p)) / 1024)
             peak["corral_fds"] = max(peak["corral_fds"], max(fds(p) for p in pids if _is_corral(p)))
             peak["head_processes"] = max(peak["head_processes"], len(pids))

@@ -862,7 +862,65 @@ def test_a_rendezvous_check_frees_its_port_before_listen_stop_returns() -> None:
         job.close()
 
 
-def test_an_agent_that_stops_for_a_silent_head_is_named_so_not_as_a_crash() -> None:
+def test_the_rendezvous_connect_tries_each_address_as_long_as_the_head_asks() -> None:
+    """At 256 nodes a SYN lost to a full queue made a 3 s try fail a node
+    that could reach node 0; the head now asks for 8 s there (SYNs at 0, 1,
+    3 and 7 s).  The probe's own ``timeout`` is shadowed by the head's call
+    timeout, so the head passes ``each_s``."""
+    import socket
+
+    from corral.agent import probes
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)  # never accepted: once its queue is full, SYNs are dropped
+    port = server.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(4):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            fillers.append(c)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        got = probes.connect(["127.0.0.1"], port, each_s=0.5)
+        took = time.monotonic() - t0
+    finally:
+        for c in fillers:
+            c.close()
+        server.close()
+    assert got["127.0.0.1"] != "ok"
+    assert 0.4 < took < 2.5, took  # its own 0.5 s, not the 3 s default
+
+
+def test_an_agent_with_no_job_waits_out_a_head_busy_connecting_hundreds_of_nodes() -> None:
+    """At 256 nodes the head, connecting the rest, pinged the first agents
+    11-15 s apart; they stopped (head silent) before any job had started,
+    and the run lost a node that was up.  With no job to stop, an agent
+    waits a minute; with one, ``head_timeout``."""
+    events: list[dict] = []
+
+    async def main() -> None:
+        pool = AgentPool(_local(), tag="t", on_event=lambda s, e: events.append(e), head_timeout=1.0)
+        await pool.open()
+        try:
+            s = pool.sessions[0]
+            for task in s._tasks:
+                if "_ping" in repr(task.get_coro()):
+                    task.cancel()
+            await asyncio.sleep(3.5)  # three and a half head timeouts of silence
+            assert not s.closed, events
+            probe = await s.call("probes.preflight", workdir="/", paths=[], timeout=30)  # and it still answers
+            assert probe["python"]
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert not [e for e in events if e.get("ev") == "closed" and "heard nothing" in (e.get("error") or "")]
+
+
+def test_an_agent_that_stops_for_a_silent_head_is_named_so_not_as_a_crash(tmp_path) -> None:
     """A head too busy to ping (hundreds of nodes on a loaded machine): the
     agent stops its job as designed, and the head says that is why, rather
     than "ssh ended without a message"."""
@@ -873,6 +931,7 @@ def test_an_agent_that_stops_for_a_silent_head_is_named_so_not_as_a_crash() -> N
         await pool.open()
         try:
             s = pool.sessions[0]
+            await start(s, [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path)
             for task in s._tasks:  # the head goes silent (it still reads)
                 if "_ping" in repr(task.get_coro()):
                     task.cancel()
@@ -887,3 +946,4 @@ def test_an_agent_that_stops_for_a_silent_head_is_named_so_not_as_a_crash() -> N
     closed = [e for e in events if e.get("ev") == "closed"]
     assert closed, events
     assert "its agent stopped: it heard nothing from this machine for 2 s" in closed[0]["error"], closed
+    assert "this machine's pings to it were up to" in closed[0]["error"]  # which side stalled

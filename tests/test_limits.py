@@ -48,3 +48,23 @@ def test_a_hard_limit_too_low_is_refused_with_the_numbers() -> None:
 def test_nothing_is_said_when_the_limit_is_enough() -> None:
     out = limited(4096, 4096)
     assert "SAID" not in out and "REFUSED" not in out and "NOW 4096" in out
+
+
+def test_pings_heartbeats_and_telemetry_slow_down_past_64_nodes_so_the_heads_work_stays_flat() -> None:
+    from corral.limits import ping_interval, telemetry_interval
+
+    assert [ping_interval(n) for n in (1, 4, 64, 128, 256, 500)] == [1.0, 1.0, 1.0, 2.0, 2.5, 2.5]
+    assert ping_interval(256, timeout=4.0) == 1.0  # a short --node-timeout keeps 4 pings within it
+    assert [telemetry_interval(n) for n in (4, 64, 128, 256, 500)] == [1.0, 1.0, 2.0, 4.0, 5.0]
+    # per node and second, 256 nodes cost the head what 102 did at 1 s
+    assert 256 / ping_interval(256) < 103
+
+
+def test_a_pool_of_hundreds_of_nodes_pings_them_less_often() -> None:
+    from corral.agent.session import AgentPool
+    from corral.model import Cluster, Host
+
+    big = Cluster(name="big", hosts=tuple(Host(name=f"n{i}") for i in range(256)))
+    small = Cluster(name="small", hosts=tuple(Host(name=f"n{i}") for i in range(4)))
+    assert {s.ping_s for s in AgentPool(big, tag="t").sessions} == {2.5}
+    assert {s.ping_s for s in AgentPool(small, tag="t").sessions} == {1.0}

@@ -853,3 +853,17 @@ def test_partition_cli_names_the_heal_to_type_and_an_unknown_node_is_bad_input(s
         assert f"`corral sandbox heal {node} --name {sandbox.name}` restores it" in res.output
     finally:
         sandbox.heal(node)
+
+
+def test_a_large_sandbox_raises_the_packet_backlog_and_a_small_one_leaves_it(tmp_path: Path) -> None:
+    """256 nodes' links overflowed the kernel's 1000-packet queue: a launch lost a node that was up."""
+    from corral.sandbox import netns
+
+    knob = tmp_path / "netdev_max_backlog"
+    knob.write_text("1000\n")
+    assert netns.ensure_packet_backlog(4, knob) is None
+    assert knob.read_text() == "1000\n"
+    assert netns.ensure_packet_backlog(256, knob) == (1000, 65536)
+    assert knob.read_text() == "65536\n"
+    assert netns.ensure_packet_backlog(64, knob) is None  # only ever raised
+    assert knob.read_text() == "65536\n"

@@ -46,3 +46,30 @@ def ensure_open_files(needed: int, what: str, say=None) -> None:
     if say is not None:
         say(f"raised this process's open-file limit (ulimit -n) from {soft} to {new}: "
             f"{what} holds about {needed} files at once")
+
+
+#: Up to this many nodes, the head pings each agent and each agent beats
+#: once a second, and telemetry is sampled once a second.
+STEADY_NODES = 64
+#: The longest ping/heartbeat interval (a quarter of the default 10 s
+#: timeouts: a lost node is still named within them), and telemetry's.
+PING_MAX_S = 2.5
+TELEMETRY_MAX_S = 5.0
+
+
+def ping_interval(nodes: int, timeout: float = 10.0) -> float:
+    """Seconds between the head's pings to an agent, and the agent's heartbeats.
+
+    Why: every ping and heartbeat is a pipe write or read in the head, for
+    every node.  At 256 nodes, 1 s each (plus telemetry) made ~770 head
+    syscalls a second; on a head sharing its CPUs (the sandbox: every node
+    on this machine) each cost ms, the run loop fell behind, pings to some
+    agents came 11-15 s apart, and the agents stopped their jobs.  Past 64
+    nodes the interval grows with the count, to at most a quarter of the
+    timeout, so the head's steady work per second stays flat."""
+    return min(max(1.0, nodes / STEADY_NODES), PING_MAX_S, max(1.0, timeout / 4))
+
+
+def telemetry_interval(nodes: int) -> float:
+    """Seconds between one node's telemetry samples (1 s up to 64 nodes, then growing, at most 5 s)."""
+    return min(max(1.0, nodes / STEADY_NODES), TELEMETRY_MAX_S)

@@ -96,9 +96,10 @@ _PRCTL = None
 _AGENT_PID = os.getpid()
 
 
-#: How often the agent says it is alive, and how long it tolerates a silent head.
+#: How often the agent says it is alive, and how long it tolerates a silent head: while
+#: its job runs, and with none (a head busy connecting hundreds of nodes; nothing to stop).
 HEARTBEAT_S = 1.0
-DEFAULT_HEAD_TIMEOUT_S = 10.0
+DEFAULT_HEAD_TIMEOUT_S, IDLE_HEAD_TIMEOUT_S = 10.0, 60.0
 HEAD_SILENT = "head silent for %.0f s: stopping"
 
 
@@ -113,9 +114,8 @@ def limit_note(e: BaseException) -> str:
 
     if getattr(e, "errno", None) == errno.EMFILE:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return (" (this node's open-files limit for the login, `ulimit -n`, is %d: raise it, e.g. in "
-                "/etc/security/limits.conf or the login shell's start-up files; training needs "
-                "thousands)" % soft)
+        return (" (this node's open-files limit for the login, `ulimit -n`, is %d: raise it, e.g. in /etc/security/"
+                "limits.conf or the login shell's start-up files; training needs thousands)" % soft)
     if getattr(e, "errno", None) == errno.EAGAIN:
         soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
         return (" (this node's process limit for the login, `ulimit -u`, is %s, or the machine is "
@@ -134,8 +134,7 @@ def _last_line(pipe) -> str:
 
 
 def planned_ranks(spec: dict):
-    """This node's global ranks, from the plan (``ranks``: first and count),
-    else every rank of the job's ``WORLD_SIZE``; None when neither says."""
+    """This node's ranks, from the plan (first, count), else all of ``WORLD_SIZE``; None when neither says."""
     try:
         first, count = spec["ranks"]
         return range(int(first), int(first) + int(count))
@@ -152,6 +151,7 @@ class Agent:
         self.inbox: queue.Queue = queue.Queue()
         self.last_heard = time.monotonic()
         self.head_timeout = DEFAULT_HEAD_TIMEOUT_S
+        self.hb_s = HEARTBEAT_S
         self.proc = None
         self.tailer = None
         self.telemetry = None
@@ -198,12 +198,13 @@ class Agent:
             if self.chan.broken:
                 self.inbox.put({"op": "eof"})
                 return
-            if time.monotonic() - self.last_heard > self.head_timeout:
-                self.chan.send(ev="log", level="warning", t=HEAD_SILENT % self.head_timeout)  # the head says why
+            limit = self.head_timeout if self.proc is not None else max(IDLE_HEAD_TIMEOUT_S, self.head_timeout)
+            if time.monotonic() - self.last_heard > limit:
+                self.chan.send(ev="log", level="warning", t=HEAD_SILENT % limit)  # the head says why
                 self.inbox.put({"op": "stop", "grace": 2.0, "reason": "head silent"})
                 self.inbox.put({"op": "eof"})
                 return
-            self.done.wait(HEARTBEAT_S)
+            self.done.wait(self.hb_s)
 
     # -- ops ---------------------------------------------------------------
 
@@ -264,7 +265,7 @@ class Agent:
                 self.job_dir.remove()
                 return
         pipe_rank = spec.get("pipe_rank")
-        self.telemetry = Telemetry(self.chan) if spec.get("telemetry") else None
+        self.telemetry = Telemetry(self.chan, every_s=spec.get("telemetry_s") or 1) if spec.get("telemetry") else None
         chan = self.telemetry.chan if self.telemetry else self.chan  # counts each rank's lines
         self.pipe_relays = []
         for pipe, stream in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
@@ -436,8 +437,7 @@ class Agent:
             self.telemetry = None
 
     def say_if_tmp_full(self) -> None:
-        """A failed job whose directory's file system is full: say so among
-        the launcher's lines (see ``JobDir.full_line``)."""
+        """A failed job whose directory's file system is full: say so among the launcher's lines."""
         line = self.job_dir.full_line()
         if line:
             self.chan.send(ev="line", r=None, s="err", t=line)
@@ -481,8 +481,8 @@ class Agent:
                 op = msg.get("op")
                 if op in ("eof", "bye"):
                     break
-                if op == "config":
-                    self.head_timeout = float(msg.get("head_timeout", self.head_timeout))
+                if op == "config":  # the heartbeat is slower on hundreds of nodes (head's limits.ping_interval)
+                    self.head_timeout, self.hb_s = float(msg.get("head_timeout", 10)), float(msg.get("hb_s", 1))
                 elif op in handlers:
                     try:
                         handlers[op](msg)

@@ -491,12 +491,14 @@ def listen_stop(port) -> bool:
     return True
 
 
-def connect(addresses, port, timeout=3.0) -> dict:
-    """Try a TCP connection to each address; {address: "ok" | reason}."""
+def connect(addresses, port, timeout=3.0, each_s=None) -> dict:
+    """Try a TCP connection to each address; {address: "ok" | reason}.
+    ``each_s``: seconds per address (the head's name for ``timeout``, which
+    its call's own timeout would shadow)."""
     out = {}
     for addr in addresses:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.settimeout(float(timeout))
+        s.settimeout(float(each_s if each_s is not None else timeout))
         try:
             s.connect((addr, port))
             out[addr] = "ok"

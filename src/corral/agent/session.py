@@ -27,7 +27,7 @@ from corral import ui
 from corral.agent.bundle import payload, remote_argv
 from corral.errors import HostError, PreflightError
 from corral.frames import MAX_FRAME, FrameError, FrameReader, ProtocolErrors, check_frame
-from corral.limits import ensure_open_files, files_needed
+from corral.limits import ensure_open_files, files_needed, ping_interval
 from corral.model import Cluster, Host
 from corral.transport import Transport, transport_for
 from corral.transport.fanout import PROGRESS_HOSTS, PROGRESS_S
@@ -74,6 +74,16 @@ class AgentSession:
     exit_event: Event | None = None
     #: Set ("10 s") when the agent said it stops because the head went silent.
     head_silent: str = ""
+    #: When the last ping was handed to ssh, and the longest time between two
+    #: (which side stalled, when an agent says it heard nothing).
+    last_ping: float = 0.0
+    ping_gap_max: float = 0.0
+    #: The longest wait to hand a ping to ssh (its stdin pipe full: ssh not reading).
+    ping_write_max: float = 0.0
+    #: The silence after which the agent stops (``start``'s ``head_timeout``).
+    head_timeout: float = 10.0
+    #: Seconds between pings, and between the agent's heartbeats (``limits.ping_interval``).
+    ping_s: float = PING_S
     _stderr: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50))
     #: What the login shell printed on stdout before the agent started (should be nothing).
     login_output: list[str] = field(default_factory=list)
@@ -156,7 +166,8 @@ class AgentSession:
         except HostError:
             await self.kill()
             raise
-        await self.send(op="config", head_timeout=head_timeout)
+        self.head_timeout = head_timeout
+        await self.send(op="config", head_timeout=head_timeout, hb_s=self.ping_s)
         self._tasks.append(asyncio.create_task(self._ping()))
 
     async def _read_events(self) -> None:
@@ -292,8 +303,7 @@ class AgentSession:
         err = self.transport.failure(self.host, rc, self.stderr_text)
         if self.head_silent:  # the agent left by itself, and said why
             err = HostError(self.name, f"its agent stopped: it heard nothing from this machine for "
-                                       f"{self.head_silent} (this machine too busy to write to it, or the "
-                                       "connection stalled one way)", kind="head-silent",
+                                       f"{self.head_silent} ({self._silence_side()})", kind="head-silent",
                             hint="a loaded head: --node-timeout longer; otherwise see the node's link")
         if self._hello is not None and not self._hello.done():
             self._hello.set_exception(err)
@@ -321,8 +331,27 @@ class AgentSession:
 
     async def _ping(self) -> None:
         while not self.closed:
+            t0 = time.monotonic()
             await self.send(op="ping")
-            await asyncio.sleep(PING_S)
+            now = time.monotonic()
+            self.ping_write_max = max(self.ping_write_max, now - t0)
+            if self.last_ping:
+                self.ping_gap_max = max(self.ping_gap_max, now - self.last_ping)
+            self.last_ping = now
+            await asyncio.sleep(self.ping_s)
+
+    def _silence_side(self) -> str:
+        """Which side stalled, from the pings this machine handed to ssh."""
+        if not self.last_ping:
+            return "this machine had not pinged it yet: it was too busy to finish connecting"
+        gap = max(self.ping_gap_max, time.monotonic() - self.last_ping)
+        if gap > max(1.5 * self.ping_s, self.head_timeout / 2):
+            if self.ping_write_max > self.head_timeout / 2:
+                return (f"this machine's pings to it were up to {gap:.0f} s apart: its ssh took up to "
+                        f"{self.ping_write_max:.0f} s to take one (ssh or its connection stalled)")
+            return f"this machine's pings to it were up to {gap:.0f} s apart: this machine was too busy"
+        return (f"this machine pinged it every {max(gap, self.ping_s):.1f} s or less: the connection stalled "
+                "one way, or the node was too busy to read")
 
     async def send(self, **op: Any) -> None:
         if self.closed or self.proc is None or self.proc.stdin is None:
@@ -433,9 +462,10 @@ class AgentPool:
         self.fanout = fanout
         self.connect_timeout = connect_timeout
         self.head_timeout = head_timeout
+        ping_s = ping_interval(len(cluster.hosts), head_timeout)
         self.sessions: list[AgentSession] = [
             AgentSession(host=h, transport=transport_for(cluster, h, connect_timeout=connect_timeout),
-                         tag=tag, on_event=self._relay)
+                         tag=tag, on_event=self._relay, ping_s=ping_s)
             for h in cluster.hosts
         ]
 

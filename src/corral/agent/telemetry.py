@@ -311,13 +311,16 @@ class CountingChannel:
 
 
 class Telemetry(threading.Thread):
-    """Samples the node once a second and sends a ``tm`` event.
+    """Samples the node every ``every_s`` seconds (once a second, less often
+    on hundreds of nodes: the head's ``limits.telemetry_interval``) and sends
+    a ``tm`` event.
 
     ``pids`` is called for the job's ranks (rank -> main pid) at each
     sample: the rank tailer learns them as ranks start."""
 
-    def __init__(self, chan, smi=None):
+    def __init__(self, chan, smi=None, every_s=SAMPLE_S):
         super().__init__(name="telemetry", daemon=True)
+        self.every_s = float(every_s)
         self.chan = CountingChannel(chan)
         self.pids = dict
         self.stopped = threading.Event()
@@ -336,7 +339,7 @@ class Telemetry(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        while not self.stopped.wait(SAMPLE_S):
+        while not self.stopped.wait(self.every_s):
             try:
                 self.chan.chan.send(ev="tm", **self.sample())
             except Exception:  # noqa: BLE001 - telemetry never takes the agent down

@@ -217,6 +217,13 @@ def master_candidates(host0: Host, probe0: dict, peers: list[dict]) -> list[str]
     return ordered
 
 
+#: Seconds each node tries each rendezvous address (a SYN at 0 and 1 s), and
+#: from how many nodes on it tries longer (SYNs at 0, 1, 3 and 7 s).
+CONNECT_EACH_S = 3.0
+CONNECT_MANY_NODES = 64
+CONNECT_EACH_MANY_S = 8.0
+
+
 async def choose_master(pool: AgentPool, probes: Mapping[str, dict], port: int) -> str:
     """An address of node 0 that every other node reaches on ``port``."""
     s0 = pool.sessions[0]
@@ -233,12 +240,15 @@ async def choose_master(pool: AgentPool, probes: Mapping[str, dict], port: int) 
         raise PreflightError([HostError(s0.name, f"cannot listen on port {port} ({detail})",
                                         hint="choose another --master-port", kind="port")],
                              what="rendezvous")
+    # Each address is tried for 3 s (SYN sent at 0, 1 s), 8 s from 64 nodes on
+    # (and at 3 s): hundreds of nodes connecting at once can lose a SYN to a
+    # full queue, and a 3 s try then failed a node that was reachable.  The
+    # call itself waits longer: hundreds of agents answering at once take seconds.
+    each_s = CONNECT_EACH_S if len(others) + 1 < CONNECT_MANY_NODES else CONNECT_EACH_MANY_S
     try:
         reach = await asyncio.gather(*(
-            # each address tried for 3 s on the node (probes.connect's own default); the call
-            # itself waits longer: hundreds of agents answering at once may take seconds
-            s.call("probes.connect", addresses=opened["bound"], port=port,
-                   timeout=3.0 * len(opened["bound"]) + 30) for s in others
+            s.call("probes.connect", addresses=opened["bound"], port=port, each_s=each_s,
+                   timeout=each_s * len(opened["bound"]) + 30) for s in others
         ))
     finally:
         await s0.call("probes.listen_stop", port=port)

@@ -45,7 +45,7 @@ from corral.errors import (
     PreflightError,
     UsageError,
 )
-from corral.limits import ensure_open_files, files_needed
+from corral.limits import ensure_open_files, files_needed, telemetry_interval
 from corral.model import Cluster
 from corral.run.control import collect_stacks, control_path, ranks_of, serve
 from corral.run.flightrec import FlightDumps, at_failure, flight_report, save_report
@@ -430,6 +430,7 @@ class Runner:
                 "preload": self.spec.preload and self.spec.launcher in PREWARMED,
                 "flight_recorder": self.options.flight_recorder,
                 "telemetry": self.options.telemetry,
+                "telemetry_s": telemetry_interval(len(plan.nodes)),
             }
             session = pool[node.host.name]
             session.ranks = node.ranks  # a frame for any other rank is a protocol error

@@ -215,6 +215,12 @@ class Sandbox(NodeOps, TeardownOps, SlurmOps):
                                  hint="corral sandbox up 4 --password-auth --password SECRET")
             sp = self._network_and_names(sp, state, explicit_subnet=subnet is not None)
             self._prepare_files(sp, state, password)
+            raised = netns.ensure_packet_backlog(sp.nodes)
+            if raised:
+                log.warning("raised net.core.netdev_max_backlog from %d to %d for %d nodes: their virtual links "
+                            "share this machine's packet queue, and a full one stalls connections (a lost node "
+                            "that is not down); machine-wide, until reboot or `sysctl -w "
+                            "net.core.netdev_max_backlog=%d`", raised[0], raised[1], sp.nodes, raised[0])
             self._ensure_network(sp)
             self._start_nodes(sp, state, tools)
             self._check_mesh(sp)

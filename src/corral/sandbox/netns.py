@@ -20,6 +20,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 from corral.errors import SandboxError
 
@@ -289,3 +290,41 @@ def _wait_empty(names: Sequence[str], timeout: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+
+
+#: The kernel's per-CPU queue of packets received from virtual links
+#: (``netif_rx``): every node's veth delivers into it, on the head's few CPUs.
+BACKLOG_SYSCTL = Path("/proc/sys/net/core/netdev_max_backlog")
+#: Sandboxes from this size on get a queue of ``BACKLOG_PER_NODE`` x nodes.
+BACKLOG_FROM_NODES = 32
+BACKLOG_PER_NODE = 256
+
+
+def ensure_packet_backlog(nodes: int, path: Path = BACKLOG_SYSCTL) -> tuple[int, int] | None:
+    """Raise ``net.core.netdev_max_backlog`` for a sandbox of ``nodes`` nodes;
+    ``(before, after)`` when it was raised, else None.
+
+    Why: all the nodes' virtual links hand their packets to one per-CPU
+    queue of the head's kernel, 1000 packets by default.  At 256 nodes a
+    launch overflowed it (216,000 packets dropped in one run, counted in
+    ``/proc/net/softnet_stat``); TCP's retransmit backoff then stalled one
+    node's connection past corral's 10 s heartbeat, and 4 of 10 launches
+    lost a node that was never down (none of the next 9, raised).  A real
+    cluster has a NIC per node.
+    The value is machine-wide and stays until reboot; it is only raised.
+    """
+    if nodes < BACKLOG_FROM_NODES:
+        return None
+    want = BACKLOG_PER_NODE * nodes
+    try:
+        before = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if before >= want:
+        return None
+    try:
+        path.write_text(f"{want}\n")
+    except OSError as err:
+        raise SandboxError(f"cannot raise {path} to {want} for {nodes} nodes: {err}",
+                           hint=f"sysctl -w net.core.netdev_max_backlog={want}, then up again") from None
+    return before, want
