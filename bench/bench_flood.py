@@ -57,17 +57,20 @@ held, step, next_tick = [], 0, start
 while time.time() < start + seconds:
     t = time.perf_counter()
     for i in range(lines):
-        print(f"r{rank} s{step} {i} {text}", flush=True)
+        sys.stdout.write(f"r{rank} s{step} {i} {text}\n")  # one write per line, as a logger does
+        sys.stdout.flush()
     now = time.time()
     if now >= next_tick:
-        print(f"TICK {now:.3f}", flush=True)
+        sys.stdout.write(f"TICK {now:.3f}\n")
+        sys.stdout.flush()
         next_tick += 1.0
     held.append(time.perf_counter() - t)
     step += 1
     time.sleep(0.05)
 held.sort()
-print("RESULT " + json.dumps({"rank": rank, "steps": step, "p50": held[len(held) // 2],
-                             "p99": held[int(len(held) * 0.99)], "max": held[-1]}), flush=True)
+sys.stdout.write("RESULT " + json.dumps({"rank": rank, "steps": step, "p50": held[len(held) // 2],
+                                        "p99": held[int(len(held) * 0.99)], "max": held[-1]}) + "\n")
+sys.stdout.flush()
 '''
 
 
@@ -90,8 +93,10 @@ def watch(argv: list[str], cwd: Path, seconds: float) -> dict:
         m = re.search(r"TICK (\d+\.\d+)", line)
         if m:
             lags.append(time.time() - float(m.group(1)))
-        elif "RESULT " in line:
-            results.append(json.loads(line.split("RESULT ", 1)[1]))
+        else:
+            m = re.search(r"RESULT (\{[^}]*\})", line)  # (a line may still share a pipe's write with another)
+            if m:
+                results.append(json.loads(m.group(1)))
     proc.wait()
     total = time.monotonic() - t0
     if proc.returncode != 0:
@@ -131,11 +136,11 @@ def main() -> None:
     args = ap.parse_args()
     if not shutil.which("pdsh"):
         raise SystemExit("pdsh is not installed (apt-get install pdsh): it is the anchor")
-    sb = Sandbox(name="flood", prefix="fl")
-    sb.up(args.nodes, with_keys=True)
-    os.environ["PDSH_SSH_ARGS_APPEND"] = f"-F {sb.ssh_config}"
-    work = Path(tempfile.mkdtemp(prefix="flood-"))
+    work = Path(tempfile.mkdtemp(prefix="flood-", dir="/tmp"))
     (work / "flood.py").write_text(RANK_SCRIPT)
+    sb = Sandbox(name="flood", prefix="fl")
+    sb.up(args.nodes, with_keys=True, share=[str(work)])  # the same path on every node, as NFS would
+    os.environ["PDSH_SSH_ARGS_APPEND"] = f"-F {sb.ssh_config}"
     hosts = ",".join(sb.nodes[:args.nodes])
     expect = args.nodes * args.ranks
     py = sys.executable
