@@ -2,9 +2,10 @@
 
 A session spawns the transport's argv (``ssh ... python3 -c BOOTSTRAP`` or
 the same locally), sends the agent payload, waits for ``hello`` and then
-exchanges JSON lines.  It pings the agent every second (the agent tears its
-tree down when the head goes silent) and tracks when it last heard from the
-agent (the head declares a node lost when the agent goes silent).
+exchanges JSON lines.  It pings the agent every second, less often past 64
+nodes (``limits.ping_interval``; the agent tears its job down when the head
+goes silent) and tracks when it last heard from the agent (the head declares
+a node lost when the agent goes silent).
 
 Spawned processes get ``PR_SET_PDEATHSIG``: if the head is SIGKILLed, the
 ssh clients (or the local agent) are terminated by the kernel, the channels
