@@ -64,6 +64,11 @@ def losses(stdout: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"^(?:\[[^]]*\] )?step (\d+) \| loss ([\d.]+)", stdout, re.M)}
 
 
+def learning_rates(stdout: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in
+            re.findall(r"^(?:\[[^]]*\] )?step (\d+) \| loss [\d.]+ \| lr ([\d.e+-]+)", stdout, re.M)}
+
+
 def test_batches_depend_only_on_seed_rank_and_step(tmp_path: Path) -> None:
     gpt = load_recipe()
     data = prepare(tmp_path)
@@ -254,6 +259,8 @@ def test_deepspeed_zero2_recipe_learns_and_saves_the_trained_model(
                      env=(f"TORCH_EXTENSIONS_DIR={torch_extensions}",))
     curve = losses(out)
     assert "ZeRO-2" in out and curve[12] < curve[1] * 0.8, out[-2000:]
+    lrs = learning_rates(out)  # DeepSpeed's warm-up from warmup_min_ratio 0 trained its first steps at lr 0
+    assert lrs and all(lr > 0 for lr in lrs.values()), lrs
     assert "checked against the trained weights" in out
     assert_16bit_save_is_the_consolidated_checkpoint(hf_model(workdir / "a" / "model"), workdir / "a" / "ckpt")
 

@@ -167,7 +167,8 @@ def deepspeed_plugin(args) -> DeepSpeedPlugin | None:
         config = json.load(f)
     params = config.get("scheduler", {}).get("params", {})
     for key, value in (("total_num_steps", args.max_steps), ("warmup_num_steps", args.warmup),
-                       ("cos_min_ratio", args.min_lr / args.lr)):
+                       ("cos_min_ratio", args.min_lr / args.lr),
+                       ("warmup_min_ratio", 1 / max(1, args.warmup))):  # 0: the first steps at lr 0
         if params.get(key) == "auto":
             params[key] = value
     return DeepSpeedPlugin(hf_ds_config=config, gradient_clipping=args.grad_clip)

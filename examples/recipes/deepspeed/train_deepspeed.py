@@ -97,6 +97,7 @@ def ds_config(args) -> dict:
             "gradient_clipping": args.grad_clip, "lr": args.lr, "weight_decay": args.weight_decay,
             "total_num_steps": args.max_steps, "warmup_num_steps": args.warmup,
             "cos_min_ratio": args.min_lr / args.lr,
+            "warmup_min_ratio": 1 / max(1, args.warmup),  # 0 would train the first steps at lr 0
             "enabled": torch.cuda.is_available() and torch.cuda.is_bf16_supported()}
 
     def fill(node):
