@@ -10,7 +10,7 @@ from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
 from corral.errors import EXIT_INFRA, EXIT_INTERRUPTED, UsageError
 from corral.frames import terminal_safe
-from corral.transport.fanout import PROGRESS_HOSTS, command_line, run_everywhere
+from corral.transport.fanout import PROGRESS_HOSTS, TREE_MIN_HOSTS, command_line, run_everywhere
 from corral.transport.gather import group_results
 from corral.transport.ssh import SSH_ERROR
 
@@ -22,11 +22,16 @@ from corral.transport.ssh import SSH_ERROR
               help="Stop the command on hosts where it runs longer than this (seconds).")
 @click.option("-f", "--fanout", type=click.IntRange(min=1), default=64, show_default=True,
               help="Hosts contacted at once.")
+@click.option("--tree", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help=f"Reach the nodes through relay nodes: this machine logs in to about sqrt(N) of them, "
+                   f"each runs the command on itself and on its share of the others with its own ssh "
+                   f"(nodes must log in to each other: `corral ssh setup`).  auto: from {TREE_MIN_HOSTS} "
+                   f"ssh hosts on.  A node a relay cannot reach is reached from here.")
 @click.option("--no-fold", is_flag=True,
               help="Stream lines live as 'host: line' (like pdsh) instead of folding identical output.")
 @click.option("--json", "as_json", is_flag=True, help="Per-host results as JSON.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_fold: bool,
+def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, tree: str, no_fold: bool,
           as_json: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND through each node's login shell ($SHELL -c, as ssh does), in parallel.
 
@@ -58,7 +63,9 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
     try:
         results = run_everywhere(cluster, text, timeout=timeout, fanout=fanout,
                                  on_line=live if no_fold and not as_json else None,
-                                 on_progress=_progress if len(cluster.hosts) >= PROGRESS_HOSTS else None)
+                                 on_progress=_progress if len(cluster.hosts) >= PROGRESS_HOSTS else None,
+                                 tree={"auto": None, "on": True, "off": False}[tree],
+                                 on_notice=None if as_json else ui.notice)
     except KeyboardInterrupt as stop:
         # Ctrl-C: every node has stopped; still show what they said before it.
         results = getattr(stop, "results", [])
@@ -71,7 +78,7 @@ def exec_(cluster_opts: ClusterOptions, timeout: float | None, fanout: int, no_f
         # (ESC is \u001b), so printing this reaches no terminal as a control.
         emit_json("exec", {"hosts": [
             {"host": r.host, "returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr,
-             "stdout_cut": r.stdout_cut, "stderr_cut": r.stderr_cut,
+             "stdout_cut": r.stdout_cut, "stderr_cut": r.stderr_cut, "via": r.via,
              "error": r.error.message if r.error else None, "hint": r.error.hint if r.error else None}
             for r in results
         ]})

@@ -50,6 +50,9 @@ from corral.transport.ssh import shell_read_input
 PROGRESS_S = 5.0
 #: From this many hosts on, ``corral exec`` and a run's connect say how far they are.
 PROGRESS_HOSTS = 64
+#: From this many ssh hosts on, ``corral exec`` goes through relay nodes by
+#: default (``corral.transport.tree``).
+TREE_MIN_HOSTS = 128
 
 #: One line, no newlines inside quotes and no "!" but ``$!``: safe under sh,
 #: bash, zsh and (non-interactive) csh login shells.  The command runs in the foreground,
@@ -115,6 +118,9 @@ class HostResult:
     #: ends with a ``[cut N bytes]`` marker).
     stdout_cut: int = 0
     stderr_cut: int = 0
+    #: The relay node that ran the command here (``corral exec``'s tree);
+    #: None when this machine reached the host itself.
+    via: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -148,14 +154,13 @@ SSH_MUX_NOISE = re.compile(
 )
 
 
-class _Job:
-    """One host's ssh (or local sh) process and what it has said so far."""
+class _Output:
+    """What one host has said so far, and its result once it ended (run from
+    here, or through a relay of ``corral.transport.tree``)."""
 
-    def __init__(self, host: Host, transport: Transport, proc: subprocess.Popen[bytes],
-                 timeout: float | None):
+    def __init__(self, host: Host, transport: Transport):
         self.host = host
         self.transport = transport
-        self.proc = proc
         self.chunks: dict[str, list[bytes]] = {"out": [], "err": []}
         #: Bytes kept in ``chunks`` and bytes dropped past ``MAX_OUTPUT``.
         self.kept = {"out": 0, "err": 0}
@@ -164,46 +169,28 @@ class _Job:
         #: bytes) and how much of it was dropped.
         self.partial: dict[str, bytes] = {"out": b"", "err": b""}
         self.partial_cut = {"out": 0, "err": 0}
-        self.open_streams = 2
-        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timed_out = False
-        #: Set once the channel is closed: kill ssh if it is still there then.
-        self.kill_at: float | None = None
+        #: The relay that ran it (None: from here).
+        self.via: str | None = None
 
-    def close_channel(self) -> None:
-        """Close ssh's stdin: the remote wrapper stops the command's session."""
-        if self.kill_at is None:
-            self.kill_at = time.monotonic() + CLOSE_GRACE_S
-            if self.proc.stdin is not None and not self.proc.stdin.closed:
-                try:
-                    self.proc.stdin.close()
-                except OSError:
-                    pass
-
-    def done(self) -> bool:
-        return self.open_streams == 0 and self.proc.poll() is not None
-
-    def result(self, timeout: float | None) -> HostResult:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        rc = self.proc.returncode if self.proc.returncode is not None else 255
+    def result_for(self, rc: int, timeout: float | None) -> HostResult:
         stdout = self.text("out")
         stderr = SSH_MUX_NOISE.sub("", self.text("err"))
         name = self.host.name
-        cut = {"stdout_cut": self.cut["out"], "stderr_cut": self.cut["err"]}
+        extra = {"stdout_cut": self.cut["out"], "stderr_cut": self.cut["err"], "via": self.via}
         if self.timed_out:
             error = HostError(name, f"did not finish within {timeout:.0f}s; stopped it",
                               hint="raise --timeout if the command is expected to take longer",
                               kind="timeout")
-            return HostResult(host=name, returncode=124, stdout=stdout, stderr=stderr, error=error, **cut)
+            return HostResult(host=name, returncode=124, stdout=stdout, stderr=stderr, error=error, **extra)
         if rc == 97 and STDIN_PROBE_SEEN in stdout and not self.host.local:
-            return HostResult(host=name, returncode=255, stderr=stderr,
+            return HostResult(host=name, returncode=255, stderr=stderr, via=self.via,
                               error=shell_read_input(self.host, STDIN_PROBE_SEEN))
         if rc == 255 and not self.host.local:
             # ssh's own failure (the remote command's 255 is rare and reads the same).
             return HostResult(host=name, returncode=rc, stdout=stdout, stderr=stderr,
-                              error=self.transport.failure(self.host, rc, stderr), **cut)
-        return HostResult(host=name, returncode=rc, stdout=stdout, stderr=stderr, **cut)
+                              error=self.transport.failure(self.host, rc, stderr), **extra)
+        return HostResult(host=name, returncode=rc, stdout=stdout, stderr=stderr, **extra)
 
     def keep(self, stream: str, data: bytes) -> None:
         """Keep ``data`` up to ``MAX_OUTPUT`` bytes of the stream; count the rest."""
@@ -220,6 +207,76 @@ class _Job:
             text += cut_marker(self.cut[stream]) + "\n"
         return text
 
+    def take(self, stream: str, data: bytes, on_line: LineCallback | None) -> None:
+        """``data`` arrived on ``stream``: keep it, and pass complete lines on."""
+        self.keep(stream, data)
+        if on_line is None:
+            return
+        if b"\n" not in data:
+            # Most of a long line: add what fits, count the rest (no copy of it).
+            room = MAX_LINE - len(self.partial[stream])
+            if room > 0:
+                self.partial[stream] += data[:room]
+            self.partial_cut[stream] += max(0, len(data) - max(room, 0))
+            return
+        *lines, rest = (self.partial[stream] + data).split(b"\n")
+        first_cut = self.partial_cut[stream]
+        self.partial[stream] = rest[:MAX_LINE]
+        self.partial_cut[stream] = max(0, len(rest) - MAX_LINE)
+        for i, line in enumerate(lines):
+            text = _line(line, first_cut if i == 0 else 0)
+            if stream == "err" and SSH_MUX_NOISE.match(text):
+                continue
+            on_line(self.host.name, stream, text)
+
+    def end_stream(self, stream: str, on_line: LineCallback | None) -> None:
+        """The stream ended: pass on its last, unterminated line."""
+        if on_line is not None and (self.partial[stream] or self.partial_cut[stream]):
+            on_line(self.host.name, stream, _line(self.partial[stream], self.partial_cut[stream]))
+        self.partial[stream], self.partial_cut[stream] = b"", 0
+
+
+class _Job(_Output):
+    """One host's ssh (or local sh) process and what it has said so far."""
+
+    relay = False
+
+    def __init__(self, host: Host, transport: Transport, proc: subprocess.Popen[bytes],
+                 timeout: float | None):
+        super().__init__(host, transport)
+        self.proc = proc
+        self.open_streams = 2
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        #: Set once the channel is closed: kill ssh if it is still there then.
+        self.kill_at: float | None = None
+        self.grace = CLOSE_GRACE_S
+
+    def close_channel(self) -> None:
+        """Close ssh's stdin: the remote wrapper stops the command's session."""
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + self.grace
+            if self.proc.stdin is not None and not self.proc.stdin.closed:
+                try:
+                    self.proc.stdin.close()
+                except OSError:
+                    pass
+
+    def done(self) -> bool:
+        return self.open_streams == 0 and self.proc.poll() is not None
+
+    def result(self, timeout: float | None) -> HostResult:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        rc = self.proc.returncode if self.proc.returncode is not None else 255
+        return self.result_for(rc, timeout)
+
+    def feed(self, stream: str, data: bytes, on_line: LineCallback | None) -> None:
+        """Bytes (``b""``: end) read from the process's ``stream``."""
+        if data:
+            self.take(stream, data, on_line)
+        else:
+            self.end_stream(stream, on_line)
+
 
 def run_everywhere(
     cluster: Cluster,
@@ -230,32 +287,58 @@ def run_everywhere(
     connect_timeout: float = 10.0,
     on_line: LineCallback | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    tree: bool | None = False,
+    on_notice: Callable[[str], None] | None = None,
 ) -> list[HostResult]:
     """``command`` (a shell command line) on every host; results in host order.
 
     ``on_progress(done, total)`` is called every ``PROGRESS_S`` seconds while
     hosts are still running (hundreds of nodes take seconds to answer).
 
-    At most ``fanout`` hosts run at once.  ``on_line(host, stream, line)`` sees
-    every complete line as it arrives.  SIGINT, SIGTERM, SIGHUP or SIGQUIT (when
-    called from the main thread) close every channel, wait for the nodes to stop the
-    command (ssh is killed after ``CLOSE_GRACE_S``), then raise
-    KeyboardInterrupt: nothing is left running on any node.
+    At most ``fanout`` hosts (or relays) run at once.  ``on_line(host, stream,
+    line)`` sees every complete line as it arrives.  SIGINT, SIGTERM, SIGHUP
+    or SIGQUIT (when called from the main thread) close every channel, wait
+    for the nodes to stop the command (ssh is killed after ``CLOSE_GRACE_S``),
+    then raise KeyboardInterrupt: nothing is left running on any node.
+
+    ``tree``: True reaches the hosts through relay nodes
+    (``corral.transport.tree``), None does from ``TREE_MIN_HOSTS`` ssh hosts
+    on, False never.  A host a relay could not reach is reached from here;
+    ``on_notice`` hears about it, once.
     """
     results: dict[str, HostResult] = {}
-    pending = deque(cluster.hosts)
+    pending: deque[Host] = deque()
+    starts: deque[list[Host]] = deque()  # relays' groups
+    relays = None
+    if tree is not False and (tree or sum(1 for h in cluster.hosts if not h.local) >= TREE_MIN_HOSTS):
+        from corral.transport import tree as relays
+
+        for group in relays.groups(cluster.hosts):
+            if len(group) == 1:
+                pending.append(group[0])
+            else:
+                starts.append(group)
+    else:
+        pending.extend(cluster.hosts)
+    fallback = relays.Fallbacks() if relays is not None else None
     last_progress = time.monotonic()
-    running: list[_Job] = []
+    running: list = []
     sel = selectors.DefaultSelector()
     with _signals_to_pipe() as wakeup:
         if wakeup is not None:
             sel.register(wakeup, selectors.EVENT_READ, None)
         stopping = False
         try:
-            while pending or running:
-                while pending and not stopping and len(running) < max(1, fanout):
-                    host = pending.popleft()
-                    job = _start(cluster, host, command, timeout, connect_timeout, results)
+            while starts or pending or running:
+                while (starts or pending) and not stopping and len(running) < max(1, fanout):
+                    if starts:
+                        group = starts.popleft()
+                        job = relays.start(cluster, group, command, timeout, connect_timeout)  # type: ignore[union-attr]
+                        if job is None:  # no ssh to run here: each host says so
+                            pending.extend(group)
+                            continue
+                    else:
+                        job = _start(cluster, pending.popleft(), command, timeout, connect_timeout, results)
                     if job is not None:
                         running.append(job)
                         sel.register(job.proc.stdout, selectors.EVENT_READ, (job, "out"))  # type: ignore[arg-type]
@@ -274,15 +357,25 @@ def run_everywhere(
                         if not stopping:
                             stopping = True
                             pending.clear()
+                            starts.clear()
                             for job in running:
                                 job.close_channel()
                         continue
                     _read(sel, key, on_line)
                 now = time.monotonic()
                 for job in list(running):
+                    if job.relay:
+                        # Members end while their relay runs on.
+                        for member in job.finished():
+                            results[member.host.name] = member.result_for(member.rc, timeout)
                     if job.done():
                         running.remove(job)
-                        results[job.host.name] = job.result(timeout)
+                        if job.relay:
+                            back = job.settle(results, timeout, fallback)
+                            if not stopping:
+                                pending.extend(back)
+                        else:
+                            results[job.host.name] = job.result(timeout)
                         continue
                     if job.deadline is not None and now >= job.deadline and not job.timed_out:
                         job.timed_out = True
@@ -295,11 +388,14 @@ def run_everywhere(
             for job in running:
                 job.close_channel()
                 try:
-                    job.proc.wait(CLOSE_GRACE_S)
+                    job.proc.wait(job.grace)
                 except subprocess.TimeoutExpired:
                     job.proc.kill()
                     job.proc.wait()
             sel.close()
+    if on_notice is not None and fallback is not None:
+        for line in fallback.notices():
+            on_notice(line)
     if stopping:
         # What the hosts said before the stop, for a caller that shows it.
         interrupted = KeyboardInterrupt()
@@ -357,29 +453,7 @@ def _read(sel: selectors.BaseSelector, key: selectors.SelectorKey,
         sel.unregister(key.fileobj)
         key.fileobj.close()  # type: ignore[union-attr]
         job.open_streams -= 1
-        if on_line is not None and (job.partial[stream] or job.partial_cut[stream]):
-            on_line(job.host.name, stream, _line(job.partial[stream], job.partial_cut[stream]))
-            job.partial[stream], job.partial_cut[stream] = b"", 0
-        return
-    job.keep(stream, data)
-    if on_line is None:
-        return
-    if b"\n" not in data:
-        # Most of a long line: add what fits, count the rest (no copy of it).
-        room = MAX_LINE - len(job.partial[stream])
-        if room > 0:
-            job.partial[stream] += data[:room]
-        job.partial_cut[stream] += max(0, len(data) - max(room, 0))
-        return
-    *lines, rest = (job.partial[stream] + data).split(b"\n")
-    first_cut = job.partial_cut[stream]
-    job.partial[stream] = rest[:MAX_LINE]
-    job.partial_cut[stream] = max(0, len(rest) - MAX_LINE)
-    for i, line in enumerate(lines):
-        text = _line(line, first_cut if i == 0 else 0)
-        if stream == "err" and SSH_MUX_NOISE.match(text):
-            continue
-        on_line(job.host.name, stream, text)
+    job.feed(stream, data, on_line)
 
 
 def _line(line: bytes, dropped: int) -> str:
@@ -436,4 +510,4 @@ def command_line(words: tuple[str, ...]) -> str:
     return " ".join(words)
 
 
-__all__ = ["MAX_OUTPUT", "HostResult", "command_line", "remote_argv", "run_everywhere"]
+__all__ = ["MAX_OUTPUT", "TREE_MIN_HOSTS", "HostResult", "command_line", "remote_argv", "run_everywhere"]
