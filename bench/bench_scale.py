@@ -15,6 +15,12 @@ file of its own.  For each N, in one run:
   time, and the head's CPU: the command and every process it starts on the
   head (ssh clients and masters included) run in a cgroup v1 ``cpuacct``
   group of their own; the nodes' sshd run outside it.  Median of rounds.
+  corral runs twice: reaching every node itself (``--tree off``) and through
+  relays (``--tree on``: the head logs in to about sqrt(N) nodes, each
+  relays to its share; the sandbox's nodes log in to each other, as with a
+  shared home, ``corral.sandbox.mesh``); a cold tree round ends the relays'
+  own master connections first.  The relays' CPU is the nodes', not the
+  head's, as on a real cluster.
 - **launch**: ``corral run --launcher command -n 1`` of a script that prints
   the wall-clock time it reached user code: seconds from the command's start
   to the last node's line (and to the command's end).
@@ -47,7 +53,9 @@ from pathlib import Path
 import tomllib
 
 import corral as corral_pkg
+from corral.model import Cluster, Host
 from corral.sandbox import Sandbox
+from corral.sandbox.mesh import mesh
 
 BIN = Path(sys.executable).parent
 CORRAL = str(BIN / "corral")
@@ -140,31 +148,46 @@ def measured(argv: list[str], env: dict, tag: str, expect_lines: int = 0,
     return wall, cpu
 
 
+def _forget_relay_masters(sb: Sandbox, cluster: Cluster) -> None:
+    """A cold tree round: the relays' master connections to their members
+    (kept a minute, as on the head) are ended first."""
+    from corral.transport.tree import groups
+
+    for group in groups(cluster.hosts):
+        sb.exec(group[0].name, ["sh", "-c", "pkill -f '^ssh: /tmp/[c]orral-relay'; true"])
+
+
 def bench_exec(sb: Sandbox, cluster: Path, n: int, rounds: int) -> dict:
     hosts = sb.nodes[:n]
     pdsh_env = dict(os.environ, PDSH_SSH_ARGS_APPEND=f"-F {sb.ssh_config}")
-    rows: dict[str, list[tuple[float, float]]] = {"pdsh -f 32": [], f"pdsh -f {n}": [], "corral cold": [],
-                                                   "corral warm": []}
+    modes = {"corral": "off", "corral tree": "on"}
+    rows: dict[str, list[tuple[float, float]]] = {"pdsh -f 32": [], f"pdsh -f {n}": []}
+    for name in modes:
+        rows[f"{name} cold"], rows[f"{name} warm"] = [], []
+    loaded = Cluster(hosts=tuple(Host(name=h) for h in hosts))
     for r in range(rounds):
         for f in (32, n):
             argv = ["pdsh", "-R", "ssh", "-f", str(f), "-w", ",".join(hosts), "hostname"]
             rows[f"pdsh -f {f}"].append(measured(argv, pdsh_env, f"pdsh{f}", n))
-        runtime = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))
-        env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime))
-        argv = [CORRAL, "exec", "-c", str(cluster), "--", "hostname"]
-        cg = Cgroup("corral")  # cold and warm in one group: the masters live across both
-        try:
-            for kind in ("cold", "warm"):
-                before, t0 = cg.cpu_s(), time.perf_counter()
-                proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600,
-                                      preexec_fn=cg.join)
-                wall = time.perf_counter() - t0
-                if proc.returncode != 0:
-                    raise SystemExit(f"corral exec failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
-                rows[f"corral {kind}"].append((wall, cg.cpu_s() - before))
-        finally:
-            cg.remove()
-            shutil.rmtree(runtime, ignore_errors=True)
+        for name, tree in modes.items():
+            if tree == "on":
+                _forget_relay_masters(sb, loaded)
+            runtime = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))
+            env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime))
+            argv = [CORRAL, "exec", "--tree", tree, "-c", str(cluster), "--", "hostname"]
+            cg = Cgroup("corral")  # cold and warm in one group: the masters live across both
+            try:
+                for kind in ("cold", "warm"):
+                    before, t0 = cg.cpu_s(), time.perf_counter()
+                    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600,
+                                          preexec_fn=cg.join)
+                    wall = time.perf_counter() - t0
+                    if proc.returncode != 0 or "reached from here" in proc.stderr:
+                        raise SystemExit(f"corral exec failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+                    rows[f"{name} {kind}"].append((wall, cg.cpu_s() - before))
+            finally:
+                cg.remove()
+                shutil.rmtree(runtime, ignore_errors=True)
         print(f"    exec round {r + 1}: " + "  ".join(f"{k} {v[-1][0]:.2f}s/{v[-1][1]:.2f}cpu"
                                                      for k, v in rows.items()), flush=True)
     return {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in rows.items()}
@@ -274,6 +297,7 @@ def main() -> None:
     sb = Sandbox(name="scale", prefix="sc")
     t0 = time.monotonic()
     sb.up(max(sizes), with_keys=True)
+    mesh(sb)  # nodes log in to each other (a shared home): exec's relays need it
     up_s = time.monotonic() - t0
     per_node = node_rss_mb(sb)
     print(f"sandbox up {max(sizes)} nodes: {up_s:.1f}s (0 s when it was up already); its processes on an idle "
@@ -307,18 +331,20 @@ def main() -> None:
 
 def report(results: dict, sizes: list[int]) -> None:
     print("\n| nodes | pdsh -f 32 wall / head CPU | pdsh -f N | corral cold | corral warm | "
-          "cold CPU vs pdsh -f 32 | launch to user code | lost named | corral RSS | corral fds | head procs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "corral tree cold | corral tree warm | cold CPU vs pdsh -f 32 (direct, tree) | "
+          "launch to user code | lost named | corral RSS | corral fds | head procs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         r = results[n]
         e = r.get("exec")
         cells = [str(n)]
         if e:
             pd, pn, cc, cw = e["pdsh -f 32"], e[f"pdsh -f {n}"], e["corral cold"], e["corral warm"]
-            cells += [f"{pd[0]:.2f}s / {pd[1]:.2f}s", f"{pn[0]:.2f}s / {pn[1]:.2f}s",
-                      f"{cc[0]:.2f}s / {cc[1]:.2f}s", f"{cw[0]:.2f}s / {cw[1]:.2f}s", f"{cc[1] / pd[1]:.2f}x"]
+            tc, tw = e["corral tree cold"], e["corral tree warm"]
+            cells += [f"{v[0]:.2f}s / {v[1]:.2f}s" for v in (pd, pn, cc, cw, tc, tw)]
+            cells.append(f"{cc[1] / pd[1]:.2f}x, {tc[1] / pd[1]:.2f}x")
         else:
-            cells += ["-"] * 5
+            cells += ["-"] * 7
         cells.append(f"{r['launch'][0]:.2f}s" if "launch" in r else "-")
         if "run" in r:
             u = r["run"]

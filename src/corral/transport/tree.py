@@ -204,6 +204,11 @@ class RelayJob:
                fallback: Fallbacks) -> list[Host]:
         """The relay has ended: name its unfinished members, or hand them back
         (to be reached from here) when none of them can have run."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
         for m in self.finished():
             results[m.host.name] = m.result_for(m.rc, timeout)  # type: ignore[arg-type]
         back = [m.host for m in self.members if m.unreached is not None]
