@@ -183,7 +183,7 @@ def bench_exec(sb: Sandbox, cluster: Path, n: int, rounds: int) -> dict:
                                           preexec_fn=cg.join)
                     wall = time.perf_counter() - t0
                     if proc.returncode != 0 or "reached from here" in proc.stderr:
-                        raise SystemExit(f"corral exec failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+                        raise SystemExit(f"corral exec failed:\n{proc.stdout[:1500]}\n{proc.stderr[-1500:]}")
                     rows[f"{name} {kind}"].append((wall, cg.cpu_s() - before))
             finally:
                 cg.remove()

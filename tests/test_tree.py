@@ -84,6 +84,38 @@ def test_a_relay_that_breaks_the_frame_format_is_stopped_and_its_members_named(b
     assert out["m1"].returncode == 255 and "relay m0 stopped" in named.message and "it sent" in named.message
 
 
+RELAY = """
+import sys
+from corral.transport import relaynode
+relaynode.HOLD_S = 0.2
+relaynode.relay({members!r}, "", sys.stdin.buffer)
+"""
+
+
+def test_the_relay_hands_back_only_members_ssh_could_not_log_in_to() -> None:
+    # Stand-ins for the relay's ssh: what ssh prints when a login fails (also
+    # after the relay stopped holding stderr back), and what a command that
+    # ran prints when it exits 255 itself: that one is not run a second time.
+    members = [
+        {"argv": ["sh", "-c", "echo here"], "local": True},
+        {"argv": ["sh", "-c", "sleep 0.5; echo 'ssh: connect to host n1 port 22: Connection timed out' >&2; "
+                              "exit 255"]},
+        {"argv": ["sh", "-c", "echo 'Host key verification failed.' >&2; exit 255"]},
+        {"argv": ["sh", "-c", "echo 'Permission denied' >&2; exit 255"]},
+        {"argv": ["sh", "-c", "echo ran; echo 'ssh: nothing' >&2; exit 255"]},
+    ]
+    proc = subprocess.run([sys.executable, "-c", RELAY.format(members=members)], input=b"",
+                          capture_output=True, timeout=60, check=True)
+    job = _relay_job(len(members))
+    job.feed("out", proc.stdout, None)
+    job.proc.kill()
+    assert job.ended and not job.broken
+    assert [m.rc for m in job.members] == [0, None, None, 255, 255]
+    assert [bool(m.unreached) for m in job.members] == [False, True, True, False, False]
+    assert "Connection timed out" in job.members[1].unreached
+    assert job.members[3].text("err") == "Permission denied\n" and job.members[4].text("out") == "ran\n"
+
+
 def test_endless_noise_before_the_relay_starts_is_bounded() -> None:
     job = _relay_job()
     for _ in range(20):

@@ -69,6 +69,8 @@ class Member:
         self.said_out = False
         self.held = []  # stderr chunks not yet passed up
         self.held_bytes = 0
+        #: The end of its stderr, passed up or not: what says whether ssh logged in.
+        self.tail = b""
 
 
 class Up:
@@ -139,7 +141,7 @@ def relay(members, probe, stream=None):
     up.write(READY)
     for i, m in enumerate(members):
         argv = list(m["argv"])
-        if not m.get("local"):
+        if not m.get("local") and os.path.basename(argv[0]) == "ssh":
             argv = argv[:1] + mux + argv[1:]
         try:
             proc = _spawn(argv, m.get("local"))
@@ -178,6 +180,8 @@ def relay(members, probe, stream=None):
                 key.fileobj.close()
                 member.open -= 1
                 continue
+            if kind == "e":
+                member.tail = (member.tail + data)[-4096:]
             if kind == "o":
                 member.said_out = True
                 up.release(member)
@@ -202,10 +206,10 @@ def relay(members, probe, stream=None):
             _close(member.proc.stdin)
             rc = member.proc.returncode
             rc = 128 - rc if rc < 0 else rc
-            said = b"".join(member.held)
             if rc == 255 and not member.said_out and not member.local and UNREACHED.search(
-                    said.decode("utf-8", "replace")):
-                up.frame(b"u", member.index, said[-4096:])
+                    member.tail.decode("utf-8", "replace")):
+                # ssh never logged in (a refused key, a timeout: also after HOLD_S).
+                up.frame(b"u", member.index, member.tail)
                 continue
             reached += 1
             up.release(member)
