@@ -867,3 +867,17 @@ def test_a_large_sandbox_raises_the_packet_backlog_and_a_small_one_leaves_it(tmp
     assert knob.read_text() == "65536\n"
     assert netns.ensure_packet_backlog(64, knob) is None  # only ever raised
     assert knob.read_text() == "65536\n"
+
+
+def test_a_large_sandbox_raises_the_shared_arp_table_limit_and_a_small_one_leaves_it(tmp_path: Path) -> None:
+    """Every node's ARP entries share the head kernel's table (1,024 by default):
+    at 32 nodes doctor's port check lost 730 of 992 connections to its overflow."""
+    from corral.sandbox import netns
+
+    (tmp_path / "gc_thresh3").write_text("1024\n")
+    (tmp_path / "gc_thresh2").write_text("512\n")
+    assert netns.ensure_neighbour_table(4, tmp_path) is None
+    assert netns.ensure_neighbour_table(256, tmp_path) == (1024, 256 * 258)
+    assert (tmp_path / "gc_thresh3").read_text() == (tmp_path / "gc_thresh2").read_text() == "66048\n"
+    assert netns.ensure_neighbour_table(32, tmp_path) is None  # only ever raised
+    assert (tmp_path / "gc_thresh3").read_text() == "66048\n"

@@ -221,6 +221,12 @@ class Sandbox(NodeOps, TeardownOps, SlurmOps):
                             "share this machine's packet queue, and a full one stalls connections (a lost node "
                             "that is not down); machine-wide, until reboot or `sysctl -w "
                             "net.core.netdev_max_backlog=%d`", raised[0], raised[1], sp.nodes, raised[0])
+            raised = netns.ensure_neighbour_table(sp.nodes)
+            if raised:
+                log.warning("raised the ARP table's limit (net.ipv4.neigh.default.gc_thresh3) from %d to %d for "
+                            "%d nodes: every node's entries share this machine's table, and a full one drops "
+                            "connections between nodes; machine-wide, until reboot", raised[0], raised[1],
+                            sp.nodes)
             self._ensure_network(sp)
             self._start_nodes(sp, state, tools)
             self._check_mesh(sp)

@@ -328,3 +328,44 @@ def ensure_packet_backlog(nodes: int, path: Path = BACKLOG_SYSCTL) -> tuple[int,
         raise SandboxError(f"cannot raise {path} to {want} for {nodes} nodes: {err}",
                            hint=f"sysctl -w net.core.netdev_max_backlog={want}, then up again") from None
     return before, want
+
+
+#: The kernel's neighbour (ARP) table, shared by every network namespace of
+#: the machine: its hard limit is ``gc_thresh3`` entries in all of them together.
+NEIGH_SYSCTL_DIR = Path("/proc/sys/net/ipv4/neigh/default")
+
+
+def ensure_neighbour_table(nodes: int, path: Path = NEIGH_SYSCTL_DIR) -> tuple[int, int] | None:
+    """Raise the ARP table's limits (``gc_thresh3``, and ``gc_thresh2`` with it)
+    for a sandbox of ``nodes`` nodes; ``(before, after)`` of ``gc_thresh3``
+    when raised, else None.
+
+    Why: a real node keeps its own ARP table; the sandbox's nodes all share
+    the head kernel's, 1,024 entries by default.  Every node that talks to
+    every other (``corral doctor``'s port check, ``corral exec``'s relays,
+    NCCL's ring, sync's chain) needs an entry per peer in it: at 32 nodes
+    doctor's port check found 730 of 992 node-to-node connections "timed
+    out" (dmesg: "neighbour: arp_cache: neighbor table overflow!"), and at
+    256 nodes relays' logins to their members timed out.  Sized for every
+    node knowing every node and the head; machine-wide until reboot, only
+    ever raised.
+    """
+    if nodes < BACKLOG_FROM_NODES:
+        return None
+    want = nodes * (nodes + 2)
+    try:
+        before = int((path / "gc_thresh3").read_text().split()[0])
+        soft = int((path / "gc_thresh2").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if before >= want:
+        return None
+    try:
+        (path / "gc_thresh3").write_text(f"{want}\n")
+        if soft < want:
+            (path / "gc_thresh2").write_text(f"{want}\n")
+    except OSError as err:
+        raise SandboxError(f"cannot raise {path}/gc_thresh3 to {want} for {nodes} nodes: {err}",
+                           hint=f"sysctl -w net.ipv4.neigh.default.gc_thresh3={want} "
+                                f"net.ipv4.neigh.default.gc_thresh2={want}, then up again") from None
+    return before, want
