@@ -263,3 +263,33 @@ def test_ctrl_c_and_timeout_through_relays_leave_nothing_running(mesh_sandbox) -
     assert {r["returncode"] for r in _rows(res).values()} == {124}
     time.sleep(0.5)
     assert _sleepers(sb, "62") == {n: [] for n in sb.nodes}
+
+
+@pytest.mark.sandbox
+def test_a_relay_lost_mid_command_names_its_nodes_and_runs_nothing_twice(mesh_sandbox) -> None:
+    sb = mesh_sandbox
+    n1, n2, n3, n4 = sb.nodes
+    proc = subprocess.Popen([*CORRAL, "exec", "-c", str(sb.cluster_file), "--tree", "on", "--json", "--",
+                             "echo start >> /tmp/tree-runs; case $(hostname) in *n3|*n4) sleep 63;; esac; hostname"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(_sleepers(sb, "63")[n] for n in (n3, n4)):
+            time.sleep(0.2)
+        # The relay's own process on n3 dies (an OOM kill, a node crash): its
+        # members' channels close, so the command stops there too.
+        sb.exec(n3, ["sh", "-c", "pkill -KILL -f '[_]r=getattr'"])
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = {h["host"]: h for h in json.loads(out)["hosts"]}
+    assert proc.returncode == 3, err
+    for host in (n3, n4):
+        assert rows[host]["via"] == n3 and rows[host]["returncode"] == 255
+        assert f"relay {n3} stopped while the command ran here" in rows[host]["error"]
+    assert {rows[h]["stdout"] for h in (n1, n2)} == {f"{n1}\n", f"{n2}\n"}
+    time.sleep(0.5)
+    assert _sleepers(sb, "63") == {n: [] for n in sb.nodes}
+    runs = {n: sb.exec(n, ["sh", "-c", "cat /tmp/tree-runs; rm -f /tmp/tree-runs"]).stdout for n in sb.nodes}
+    assert runs == dict.fromkeys(sb.nodes, "start\n")  # n3 and n4 were not run a second time

@@ -23,10 +23,12 @@ from corral.transport.ssh import SSH_ERROR
 @click.option("-f", "--fanout", type=click.IntRange(min=1), default=64, show_default=True,
               help="Hosts contacted at once.")
 @click.option("--tree", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              envvar="CORRAL_EXEC_TREE",
               help=f"Reach the nodes through relay nodes: this machine logs in to about sqrt(N) of them, "
                    f"each runs the command on itself and on its share of the others with its own ssh "
                    f"(nodes must log in to each other: `corral ssh setup`).  auto: from {TREE_MIN_HOSTS} "
-                   f"ssh hosts on.  A node a relay cannot reach is reached from here.")
+                   f"ssh hosts on.  A node a relay cannot reach is reached from here.  "
+                   f"Default from $CORRAL_EXEC_TREE.")
 @click.option("--no-fold", is_flag=True,
               help="Stream lines live as 'host: line' (like pdsh) instead of folding identical output.")
 @click.option("--json", "as_json", is_flag=True, help="Per-host results as JSON.")

@@ -128,7 +128,8 @@ class Fallbacks:
             lines.append(
                 f"{len(self.unreached)} host(s) could not be reached through their relay "
                 f"({relay} -> {host}: {why}); reached from here: {fold([h for _, h, _ in self.unreached])}. "
-                "`corral ssh setup` lets nodes log in to each other; --tree off skips relays")
+                "`corral ssh setup` lets nodes log in to each other; --tree off (or CORRAL_EXEC_TREE=off) "
+                "skips relays")
         return lines
 
 
