@@ -72,6 +72,33 @@ def test_huge_line_is_sent_in_pieces_marked_to_be_joined() -> None:
         piece.decode("utf-8")  # every piece is whole characters
 
 
+def test_a_reads_lines_are_one_event_labelled_each_and_a_cut_line_still_goes_in_pieces() -> None:
+    """The complete lines of one read are one ``lines`` event (bounded in
+    count); a rank outside the plan has each line labelled; the pieces of a
+    line too long for one event go alone, and the end of such a line, in the
+    next batch, carries no second label."""
+    from corral.agent.relay import MAX_BATCH, MAX_PARTIAL, Relay
+
+    class Chan:
+        def __init__(self) -> None:
+            self.events: list[dict] = []
+
+        def send(self, **ev: object) -> None:
+            self.events.append(ev)
+
+    chan = Chan()
+    relay = Relay(chan, None, "log", "[rank 9] ")  # type: ignore[arg-type]
+    relay.feed(b"".join(b"l%d\n" % i for i in range(MAX_BATCH + 5)))
+    relay.feed(b"y" * (MAX_PARTIAL + 10))
+    relay.feed(b"!\nz\n")
+    kinds = [(e["ev"], len(e.get("ts", ())), e.get("more")) for e in chan.events]
+    assert kinds == [("lines", MAX_BATCH, None), ("lines", 5, None), ("line", 0, 1), ("lines", 2, None)], kinds
+    texts = [t for e in chan.events for t in _texts(e)]
+    assert texts[:MAX_BATCH + 5] == ["[rank 9] l%d" % i for i in range(MAX_BATCH + 5)]
+    assert texts[-1] == "[rank 9] z" and not texts[-2].startswith("[rank 9]")
+    assert "".join(texts[-3:-1]) == "[rank 9] " + "y" * (MAX_PARTIAL + 10) + "!"
+
+
 async def until_exit(events: list[dict], timeout: float) -> None:
     """Wait (up to ``timeout``) for the agent's ``exit`` event."""
     for _ in range(int(timeout / 0.05)):
