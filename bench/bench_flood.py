@@ -23,7 +23,10 @@ through ssh pipes to pdsh, as with DeepSpeed's pdsh runner or a hand-made
 
 corral runs ``--launcher command`` with the same shell loop, so both sides
 start the same processes; its ranks' output goes through files that each
-node's agent tails.  Results go to docs/benchmarks.md by hand.
+node's agent tails.  ``--base SRC`` runs corral a second time from another
+checkout's ``src`` (``git worktree add /tmp/base BASE``; the nodes get that
+agent too), for a before/after in one run.  Results go to docs/benchmarks.md
+by hand.
 """
 
 from __future__ import annotations
@@ -80,10 +83,10 @@ def node_loop(python: str, work: Path, ranks: int, lines: int, seconds: float, s
             f"{lines} {seconds} {start} & done; wait")
 
 
-def watch(argv: list[str], cwd: Path, seconds: float) -> dict:
+def watch(argv: list[str], cwd: Path, seconds: float, env: dict | None = None) -> dict:
     """Run ``argv``, reading its stdout as it comes: the ticks' lag, the results, lines seen."""
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            errors="replace")
+                            errors="replace", env=env)
     err: list[str] = []
     threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
     lags, results, seen = [], [], 0
@@ -133,6 +136,8 @@ def main() -> None:
     ap.add_argument("--start-after", type=float, default=20.0,
                     help="seconds between a command's start and the ranks' common start (covers the launch)")
     ap.add_argument("--keep", action="store_true", help="leave the sandbox up")
+    ap.add_argument("--base", metavar="SRC", help="also run corral from this src directory (before/after)")
+    ap.add_argument("--modes", default="quiet,flood", help="which of quiet,flood to run")
     args = ap.parse_args()
     if not shutil.which("pdsh"):
         raise SystemExit("pdsh is not installed (apt-get install pdsh): it is the anchor")
@@ -149,8 +154,10 @@ def main() -> None:
         print(f"{args.nodes} nodes x {args.ranks} ranks, {args.seconds:.0f} s; flood = {args.lines} lines "
               f"of 100 characters per rank per 50 ms step ({expect * args.lines * 20:,} lines/s in all)",
               flush=True)
-        for mode, lines in (("quiet", 0), ("flood", args.lines)):
-            for side in ("pdsh", "corral"):
+        sides = ("pdsh", "base", "corral") if args.base else ("pdsh", "corral")
+        modes = [m for m in (("quiet", 0), ("flood", args.lines)) if m[0] in args.modes.split(",")]
+        for mode, lines in modes:
+            for side in sides:
                 start = time.time() + args.start_after
                 loop = node_loop(py, work, args.ranks, lines, args.seconds, start)
                 if side == "pdsh":
@@ -158,14 +165,15 @@ def main() -> None:
                 else:
                     argv = [CORRAL, "run", "-c", str(sb.cluster_file), "--ranks", "all", "--launcher", "command",
                             "sh", "-c", loop]
-                table[(mode, side)] = summary(f"{mode:5} {side:6}", watch(argv, work, args.seconds), expect)
-        print("\n| | pdsh: held p99 / max (ms) | corral: held p99 / max (ms) | pdsh: tick lag max (s) "
-              "| corral: tick lag max (s) |")
+                env = dict(os.environ, PYTHONPATH=args.base) if side == "base" else None
+                table[(mode, side)] = summary(f"{mode:5} {side:6}", watch(argv, work, args.seconds, env), expect)
+        print("\n| | side | held p99 / max (ms) | tick lag max (s) | steps per rank (median) |")
         print("| --- | --- | --- | --- | --- |")
-        for mode in ("quiet", "flood"):
-            p, c = table[(mode, "pdsh")], table[(mode, "corral")]
-            print(f"| {mode} | {p['held_p99_ms']:.2f} / {p['held_max_ms']:.1f} | {c['held_p99_ms']:.2f} / "
-                  f"{c['held_max_ms']:.1f} | {p['tick_lag_max_s']:.2f} | {c['tick_lag_max_s']:.2f} |")
+        for mode, _ in modes:
+            for side in sides:
+                t = table[(mode, side)]
+                print(f"| {mode} | {side} | {t['held_p99_ms']:.2f} / {t['held_max_ms']:.1f} | "
+                      f"{t['tick_lag_max_s']:.2f} | {t['steps_median']:g} |")
         shutil.rmtree(work, ignore_errors=True)
     finally:
         if not args.keep:

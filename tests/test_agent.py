@@ -72,12 +72,44 @@ def test_huge_line_is_sent_in_pieces_marked_to_be_joined() -> None:
         piece.decode("utf-8")  # every piece is whole characters
 
 
+def test_a_reads_lines_are_one_event_labelled_each_and_a_cut_line_still_goes_in_pieces() -> None:
+    """The complete lines of one read are one ``lines`` event (bounded in
+    count); a rank outside the plan has each line labelled; the pieces of a
+    line too long for one event go alone, and the end of such a line, in the
+    next batch, carries no second label."""
+    from corral.agent.relay import MAX_BATCH, MAX_PARTIAL, Relay
+
+    class Chan:
+        def __init__(self) -> None:
+            self.events: list[dict] = []
+
+        def send(self, **ev: object) -> None:
+            self.events.append(ev)
+
+    chan = Chan()
+    relay = Relay(chan, None, "log", "[rank 9] ")  # type: ignore[arg-type]
+    relay.feed(b"".join(b"l%d\n" % i for i in range(MAX_BATCH + 5)))
+    relay.feed(b"y" * (MAX_PARTIAL + 10))
+    relay.feed(b"!\nz\n")
+    kinds = [(e["ev"], len(e.get("ts", ())), e.get("more")) for e in chan.events]
+    assert kinds == [("lines", MAX_BATCH, None), ("lines", 5, None), ("line", 0, 1), ("lines", 2, None)], kinds
+    texts = [t for e in chan.events for t in _texts(e)]
+    assert texts[:MAX_BATCH + 5] == ["[rank 9] l%d" % i for i in range(MAX_BATCH + 5)]
+    assert texts[-1] == "[rank 9] z" and not texts[-2].startswith("[rank 9]")
+    assert "".join(texts[-3:-1]) == "[rank 9] " + "y" * (MAX_PARTIAL + 10) + "!"
+
+
 async def until_exit(events: list[dict], timeout: float) -> None:
     """Wait (up to ``timeout``) for the agent's ``exit`` event."""
     for _ in range(int(timeout / 0.05)):
         if any(e.get("ev") == "exit" for e in events):
             return
         await asyncio.sleep(0.05)
+
+
+def _texts(ev: dict) -> list[str]:
+    """The output lines an event carries (a ``line``, or a batch of them)."""
+    return [ev["t"]] if ev.get("ev") == "line" else list(ev["ts"]) if ev.get("ev") == "lines" else []
 
 
 def _local() -> Cluster:
@@ -792,6 +824,64 @@ def test_a_fresh_job_dir_is_private_whatever_the_umask(tmp_path) -> None:
         assert list(tmp.iterdir()) == []
 
 
+def test_a_burst_of_output_is_a_few_frames_and_the_head_keeps_every_line_in_order(tmp_path) -> None:
+    """Two ranks print 3,000 lines each at once.  The agent used to send a
+    frame per line (the head's ceiling, some 70k lines/s, was the console's
+    limit at 32 nodes x 8 ranks flooding); the complete lines of one read
+    are now one frame, and the head's rank logs and console still get every
+    line of each rank, in order, with nothing else in between."""
+    import io
+
+    from corral.agent.bundle import hook_source
+    from corral.run.console import RunConsole
+    from corral.run.logs import RunLogs
+    from corral.run.plan import NodeFacts, RunSpec, build_plan
+    from corral.run.runner import _LogSink
+    from corral.run.watch import JobWatch
+
+    n = 3000
+    rank = f"import os, sys\nr = os.environ['RANK']\nsys.stdout.write(''.join('r%s line %d\\n' % (r, i) for i in range({n})))\n"
+    launcher = ("import os, subprocess, sys\n"
+                f"ps = [subprocess.Popen([sys.executable, '-c', {rank!r}], "
+                "env=dict(os.environ, RANK=str(r))) for r in (0, 1)]\n"
+                "sys.exit(max(p.wait() for p in ps))\n")
+    cluster = Cluster(hosts=(Host(name="me", local=True, python=sys.executable, slots=2),))
+    plan = build_plan(cluster, RunSpec(program="t.py", run_id="r-1", launcher="command"), {"me": NodeFacts()},
+                      master_addr="127.0.0.1", master_port=1, head_env={}, head_cwd=str(tmp_path))
+    console_out = io.StringIO()
+    logs = RunLogs(tmp_path / "runs", "r-1")
+    watch = JobWatch(plan, sinks=[_LogSink(logs), RunConsole(multi_host=False, out=console_out, color=False)])
+    events: list[dict] = []
+
+    def on_event(s, e: dict) -> None:
+        events.append(e)
+        watch.event(s.name, e)
+
+    async def job() -> None:
+        pool = AgentPool(cluster, tag="r-1", on_event=on_event)
+        await pool.open()
+        try:
+            pool.sessions[0].ranks = range(0, 2)
+            await pool.sessions[0].send(op="start", spec={
+                "argv": [sys.executable, "-c", launcher], "env": {"WORLD_SIZE": "2"}, "ranks": [0, 2],
+                "cwd": str(tmp_path), "hook_source": hook_source(), "tag": "r-1"})
+            await until_exit(events, 30.0)
+        finally:
+            await pool.close()
+
+    asyncio.run(job())
+    logs.close()
+    assert [e for e in events if e.get("ev") == "exit"][0]["code"] == 0
+    frames = [e for e in events if e.get("ev") in ("line", "lines") and e.get("r") is not None]
+    assert sum(len(_texts(e)) for e in frames) == 2 * n
+    assert len(frames) <= 2 * n // 10, len(frames)  # a frame per read, not per line
+    shown = console_out.getvalue().splitlines()
+    for r in (0, 1):
+        want = [f"r{r} line {i}" for i in range(n)]
+        assert (logs.dir / "me" / f"rank{r}.log").read_text().splitlines() == want
+        assert [ln[len(f"[r{r}] "):] for ln in shown if ln.startswith(f"[r{r}] ")] == want
+
+
 def test_a_rank_cannot_speak_for_another_rank_or_one_outside_the_node(tmp_path) -> None:
     """Rank 0 writes rank 1's pid file (with its own pid) and a status saying
     rank 1 failed, and a log for rank 7 of a 2-rank node.  The agent used to
@@ -831,7 +921,7 @@ def test_a_rank_cannot_speak_for_another_rank_or_one_outside_the_node(tmp_path) 
     assert [e for e in events if e.get("ev") == "exit"][0]["code"] == 1
     exits = {e["r"]: e for e in events if e.get("ev") == "rank_exit"}
     assert list(exits) == [0] and exits[0]["exc"] == "ValueError: rank 0 real error", exits  # its own: believed
-    lines = [(e.get("r"), e["t"]) for e in events if e.get("ev") == "line"]
+    lines = [(e.get("r"), t) for e in events for t in _texts(e)]
     assert (0, "rank 0 done") in lines and not any(r == 7 for r, _ in lines), lines
     assert (None, "[rank 7] spoofed line") in lines, lines  # the node's own output, labelled
     warnings = " | ".join(e["t"] for e in events if e.get("ev") == "log" and e.get("level") == "warning")

@@ -110,6 +110,18 @@ def test_a_ranks_terminal_controls_never_reach_the_terminal_but_its_colours_do()
     assert "[r1] 10%" in text and "(python)" in text and "[r0] unterminated \n" in text
 
 
+def test_a_batch_of_lines_is_cleaned_line_by_line() -> None:
+    """A batch (the lines of one read) is written at once, but an OSC left
+    open in one line must not swallow the next ones, and a clean batch is
+    written as it came."""
+    out = TTY()
+    con = RunConsole(multi_host=True, out=out, color=False, status_ranks=None)
+    con.lines("vm", 0, "log", ["a", "b"])
+    con.lines("vm", 1, "log", ["open \x1b]52;c;ZWNo", "next", "\x1b[31mred\x1b[0m\x07"])
+    con.close()
+    assert out.getvalue() == "[vm/r0] a\n[vm/r0] b\n[vm/r1] open \n[vm/r1] next\n[vm/r1] \x1b[31mred\x1b[0m\n"
+
+
 def test_a_terminal_that_stops_reading_neither_stops_the_job_nor_loses_a_line(tmp_path) -> None:
     """``corral run ... | less`` left unscrolled (or a frozen terminal): the
     head used to block writing to it, stopped pinging, and the agent stopped
@@ -141,8 +153,10 @@ def test_a_terminal_that_stops_reading_neither_stops_the_job_nor_loses_a_line(tm
     assert log.read_text().count("\n") == 1201
 
 
-def test_what_a_stalled_terminal_missed_is_counted_and_each_ranks_last_lines_shown() -> None:
-    """The run loop never waits on the terminal, and the queue for it is bounded."""
+@pytest.mark.parametrize("batch", [1, 10])
+def test_what_a_stalled_terminal_missed_is_counted_and_each_ranks_last_lines_shown(batch: int) -> None:
+    """The run loop never waits on the terminal, and the queue for it is
+    bounded; lines that come as a batch (``lines``) are held back alike."""
     import os
     import threading
     import time
@@ -155,12 +169,16 @@ def test_what_a_stalled_terminal_missed_is_counted_and_each_ranks_last_lines_sho
     con.logs_hint = "runs/X"
     t0 = time.monotonic()
     total = 0
-    for i in range(60000):  # ~9 MB for a terminal that reads nothing
+    for i in range(0, 60000, batch):  # ~9 MB for a terminal that reads nothing
         for rank in (0, 1):
-            con.line("node1", rank, "log", f"rank {rank} step {i} " + "q" * 60)
-            total += 1
+            texts = [f"rank {rank} step {j} " + "q" * 60 for j in range(i, i + batch)]
+            if batch == 1:
+                con.line("node1", rank, "log", texts[0])
+            else:
+                con.lines("node1", rank, "log", texts)
+            total += batch
     assert time.monotonic() - t0 < 30  # it never blocked (a blocked write would hang here)
-    assert con._writer.backlog <= console_mod.BACKLOG_BYTES + 200
+    assert con._writer.backlog <= console_mod.BACKLOG_BYTES + 200 * batch
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.extend(iter(lambda: os.read(r, 1 << 16), b"")))
     reader.start()

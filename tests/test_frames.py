@@ -77,6 +77,11 @@ def test_a_rank_cannot_make_the_head_write_outside_the_run_dir_or_open_a_log_per
     pwned = tmp_path / "PWNED"
     frames = [json.dumps({"ev": "line", "r": "/.." * 30 + str(pwned), "s": "out", "t": "pwned"})]
     frames += [json.dumps({"ev": "line", "r": 1000 + i, "s": "out", "t": "bogus"}) for i in range(300)]
+    # batches: for a path as a rank, a rank outside the node, too many lines, a line that is not text
+    frames += [json.dumps({"ev": "lines", "r": "/.." * 30 + str(pwned), "s": "out", "ts": ["pwned"] * 2}),
+               json.dumps({"ev": "lines", "r": 7, "s": "out", "ts": ["bogus"] * 2}),
+               json.dumps({"ev": "lines", "r": 0, "s": "out", "ts": ["bogus"] * 1025}),
+               json.dumps({"ev": "lines", "r": 0, "s": "out", "ts": ["bogus", {"t": "bogus"}]})]
     (tmp_path / "evil.py").write_text("FRAMES = %r\n" % [(f + "\n").encode() for f in frames] + INJECT)
     res = corral(["run", "--launcher", "command", "--", sys.executable, "evil.py"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -93,7 +98,7 @@ def test_a_rank_cannot_make_the_head_write_outside_the_run_dir_or_open_a_log_per
     [host] = [p.name for p in run_dir.iterdir() if p.is_dir()]  # the head's name for this machine
     assert f"{host}: protocol error: line event for rank '/../" in errors[0]
     assert "not one of this node's ranks (0-0)" in errors[0]
-    assert f"{host}: 301 frames were dropped as protocol errors in all" in errors[1]
+    assert f"{host}: 305 frames were dropped as protocol errors in all" in errors[1]
 
 
 def _max_rss_kib(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
@@ -230,6 +235,36 @@ def test_every_field_of_a_frame_is_checked() -> None:
     assert "not a JSON object" in bad([1])
     assert "bad 'grace' field" in bad({"ev": "killed", "n": 1, "grace": float("nan")})
     assert "bad 'grace' field" in bad({"ev": "killed", "n": 1, "grace": float("inf")})
+
+
+def test_a_batch_of_lines_is_checked_as_strictly_as_one_line() -> None:
+    """A ``lines`` frame (the complete lines of one read, one frame) carries
+    up to ``MAX_BATCH`` strings of at most ``MAX_LINE`` each, for one rank
+    of the node's plan; anything else is refused whole, as a line is."""
+    from corral.agent import relay
+    from corral.frames import MAX_BATCH, MAX_LINE, FrameError, check_frame
+
+    def bad(frame: object, ranks: range | None = range(4, 8)) -> str:
+        with pytest.raises(FrameError) as e:
+            check_frame(json.dumps(frame).encode(), ranks)
+        return str(e.value)
+
+    assert relay.MAX_BATCH == MAX_BATCH
+    ok = check_frame(json.dumps({"ev": "lines", "r": 5, "s": "log", "ts": ["a", "b"], "x": 1}).encode(), range(4, 8))
+    assert ok == {"ev": "lines", "r": 5, "s": "log", "ts": ["a", "b"]}
+    assert check_frame(b'{"ev":"lines","r":null,"ts":["x"]}', None) == {"ev": "lines", "r": None, "s": "out",
+                                                                         "ts": ["x"]}
+    assert "rank 3, not one of this node's ranks (4-7)" in bad({"ev": "lines", "r": 3, "ts": ["a"]})
+    assert "rank '5'" in bad({"ev": "lines", "r": "5", "ts": ["a"]})
+    assert "without its 'ts' field" in bad({"ev": "lines", "r": 5})
+    assert "bad 'ts' field" in bad({"ev": "lines", "r": 5, "ts": []})
+    assert "bad 'ts' field" in bad({"ev": "lines", "r": 5, "ts": "ab"})
+    assert "bad 'ts' field" in bad({"ev": "lines", "r": 5, "ts": ["a", 1]})
+    assert "bad 'ts' field" in bad({"ev": "lines", "r": 5, "ts": ["a", None]})
+    assert "bad 'ts' field" in bad({"ev": "lines", "r": 5, "ts": ["a"] * (MAX_BATCH + 1)})
+    assert "bad 'ts' field" in bad({"ev": "lines", "r": 5, "ts": ["a", "y" * (MAX_LINE + 1)]})
+    assert "bad 's' field" in bad({"ev": "lines", "r": 5, "s": "../x", "ts": ["a"]})
+    assert check_frame(json.dumps({"ev": "lines", "r": 4, "ts": ["a"] * MAX_BATCH}).encode(), range(4, 8))
 
 
 def test_a_frame_over_the_limit_is_dropped_as_it_arrives() -> None:

@@ -30,6 +30,9 @@ MAX_FRAME = 4 * 1024 * 1024
 #: Longest output line kept (characters); the rest of a longer line is cut
 #: and replaced by a marker saying how much (node side and head side alike).
 MAX_LINE = 1024 * 1024
+#: Most lines in one ``lines`` event (the complete lines one read of a rank's
+#: output gave: a flood is then a frame per read, not a frame per line).
+MAX_BATCH = 1024
 #: Longest text field other than output (an exception, an error message).
 MAX_TEXT = 64 * 1024
 #: Longest short name field (a Python version, a log level, a host name).
@@ -61,6 +64,16 @@ def terminal_safe(text: str) -> str:
     window title (OSC 0), write the clipboard (OSC 52), move the cursor over
     corral's own lines, or send the terminal anything else it would act on."""
     return _CONTROL.sub(_keep_sgr, text)
+
+
+#: A character that can start something ``terminal_safe`` removes.
+_ANY_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def has_control(text: str) -> bool:
+    """Whether ``terminal_safe`` could change ``text`` (one scan: a batch of
+    lines, joined, is checked at once and most have nothing to clean)."""
+    return _ANY_CONTROL.search(text) is not None
 
 
 def _keep_sgr(m: re.Match) -> str:
@@ -112,6 +125,13 @@ def _one_of(*values: str) -> Check:
 
 def _names(v: Any, _: range | None) -> bool:
     return type(v) is list and len(v) <= 64 and all(type(n) is str and len(n) <= MAX_NAME for n in v)
+
+
+def _texts(v: Any, _: range | None) -> bool:
+    """A batch of output lines: 1 to ``MAX_BATCH`` strings, each at most
+    ``MAX_LINE`` (the frame's own bound holds their total)."""
+    return (type(v) is list and 0 < len(v) <= MAX_BATCH and set(map(type, v)) == {str}
+            and max(map(len, v)) <= MAX_LINE)
 
 
 def _any(v: Any, _: range | None) -> bool:
@@ -171,6 +191,7 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
               "subreaper": (_bool, False), "uid": (_int, False)},
     "line": {"r": (_opt_rank, True), "s": (_one_of(*STREAMS), False), "t": (_text(MAX_LINE), True),
              "more": (_bool, False)},
+    "lines": {"r": (_opt_rank, True), "s": (_one_of(*STREAMS), False), "ts": (_texts, True)},
     "status": {"r": (_opt_rank, True), "s": (_one_of(*STREAMS), False), "t": (_text(MAX_LINE), True)},
     "started": {"pid": (_int, True)},
     "rank_start": {"r": (_rank, True)},
@@ -234,16 +255,21 @@ def check_frame(raw: bytes, ranks: range | None) -> Event:
 
 
 def _fast_output(kind: str, ev: dict, ranks: range | None) -> Event | None:
-    """A well-formed ``line``/``status``/``hb`` (nearly every frame), checked
+    """A well-formed ``line``/``lines``/``status``/``hb`` (nearly every frame), checked
     without the per-field calls; None for anything else (the full check then
     decides, and words the error)."""
     if kind == "hb":
         return {"ev": "hb"}
-    if kind not in ("line", "status"):
+    if kind not in ("line", "status", "lines"):
         return None
     r, t, s = ev.get("r", ""), ev.get("t"), ev.get("s", "out")
     if not (r is None or (type(r) is int and ranks is not None and r in ranks)):
         return None
+    if kind == "lines":
+        ts = ev.get("ts")
+        if not _texts(ts, None) or type(s) is not str or s not in STREAMS:
+            return None
+        return {"ev": kind, "r": r, "s": s, "ts": ts}
     if type(t) is not str or len(t) > MAX_LINE or type(s) is not str or s not in STREAMS:
         return None
     out: Event = {"ev": kind, "r": r, "s": s, "t": t}

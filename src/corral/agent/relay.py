@@ -3,7 +3,9 @@
 Shipped to nodes as ``corral_agent_relay``.  Ranks write to node-local files
 (see ``hook/sitecustomize.py``) that ``RankTailer`` tails, so a slow head never
 blocks a training step; launcher pipes are pumped by ``pump_pipe``.  Every
-event is one JSON line on the agent's protocol channel.
+event is one JSON line on the agent's protocol channel; the complete lines one
+read gave are one ``lines`` event (a flood of 100,000 lines/s is then a few
+thousand frames, not one per line).
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ MAX_PARTIAL = 64 * 1024
 #: buffered, and the line ends with a marker saying how much.  The head holds
 #: lines to the same bound (``corral.frames.MAX_LINE``; a test keeps the two equal).
 MAX_LINE = 1024 * 1024
+#: Most lines in one ``lines`` event, and most characters of text in one
+#: (a longer line goes alone); the head refuses a batch past ``MAX_BATCH``
+#: (``corral.frames.MAX_BATCH``; a test keeps the two equal).
+MAX_BATCH = 1024
+BATCH_CHARS = 64 * 1024
 #: Cursor-up escapes at the end of a segment (tqdm moving back from a bar it
 #: drew lower down), and one of them.
 _CURSOR_UPS = re.compile(rb"(?:\x1b\[\d*A)+$")
@@ -193,21 +200,38 @@ class Relay:
         self.pending = None
         self.last_status = 0.0
 
-    def _line(self, line: bytes, more: bool) -> None:
-        text = _text(line) if self.cont else self.label + _text(line)
-        self.cont = more
-        if more:
-            self.chan.send(ev="line", r=self.rank, s=self.stream, t=text, more=1)
-        else:
-            self.chan.send(ev="line", r=self.rank, s=self.stream, t=text)
+    def _lines(self, lines: list) -> None:
+        """Send ``lines`` ((bytes, more) in order) in as few events as the
+        bounds allow: complete lines batched, a piece of a cut line alone."""
+        batch: list = []
+        size = 0
+        for line, more in lines:
+            text = _text(line) if self.cont else self.label + _text(line)
+            self.cont = more
+            if more:
+                self._send(batch)
+                batch, size = [], 0
+                self.chan.send(ev="line", r=self.rank, s=self.stream, t=text, more=1)
+                continue
+            if batch and (len(batch) >= MAX_BATCH or size + len(text) > BATCH_CHARS):
+                self._send(batch)
+                batch, size = [], 0
+            batch.append(text)
+            size += len(text)
+        self._send(batch)
+
+    def _send(self, batch: list) -> None:
+        if len(batch) == 1:
+            self.chan.send(ev="line", r=self.rank, s=self.stream, t=batch[0])
+        elif batch:
+            self.chan.send(ev="lines", r=self.rank, s=self.stream, ts=batch)
 
     def feed(self, data: bytes) -> None:
         with self.lock:
             lines, status = self.splitter.feed(data)
             if lines:
                 self.pending = None  # a finished line supersedes a half-drawn bar
-            for line, more in lines:
-                self._line(line, more)
+                self._lines(lines)
             if status is not None:
                 self.pending = status
         self.tick()
@@ -222,8 +246,7 @@ class Relay:
 
     def close(self) -> None:
         with self.lock:
-            for line, _ in self.splitter.flush():
-                self._line(line, False)
+            self._lines([(line, False) for line, _ in self.splitter.flush()])
 
 
 def pump_pipe(pipe, relay: Relay) -> None:

@@ -300,8 +300,8 @@ class CountingChannel:
         kind = event.get("ev")
         rank = event.get("r")
         if rank is not None:
-            if kind == "line":
-                self.lines[rank] = self.lines.get(rank, 0) + 1
+            if kind in ("line", "lines"):
+                self.lines[rank] = self.lines.get(rank, 0) + (len(event.get("ts") or ()) if kind == "lines" else 1)
             elif kind == "status":
                 self.status[rank] = event.get("t")
         self.chan.send(**event)

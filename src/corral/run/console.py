@@ -32,7 +32,7 @@ from collections import deque
 from typing import TextIO
 
 from corral import ui
-from corral.frames import terminal_safe
+from corral.frames import has_control, terminal_safe
 
 _COLORS = ["36", "32", "35", "33", "34", "96", "92", "95", "93", "94"]
 PLAIN_STATUS_EVERY_S = 15.0
@@ -185,6 +185,22 @@ class RunConsole:
             self._hide(host, rank, text)
             return
         self._write(self.prefix(host, rank) + terminal_safe(text) + "\n")
+
+    def lines(self, host: str, rank: int | None, stream: str, texts: list[str]) -> None:
+        """A batch of one rank's lines (``line`` for each, in one write)."""
+        if not texts or (rank is None and self._launcher_muted):
+            return
+        self._footer.pop((host, rank), None)
+        if self._behind():
+            for text in texts[-TAIL_LINES:]:
+                self._hide(host, rank, text)
+            self._hidden += max(0, len(texts) - TAIL_LINES)
+            return
+        prefix = self.prefix(host, rank)
+        if not has_control("".join(texts)):  # nearly always: nothing to clean
+            self._write(prefix + ("\n" + prefix).join(texts) + "\n")
+        else:
+            self._write("".join(prefix + terminal_safe(t) + "\n" for t in texts))
 
     def status(self, host: str, rank: int | None, text: str) -> None:
         if rank is None or (self.status_ranks is not None and rank not in self.status_ranks):

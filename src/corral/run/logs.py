@@ -88,6 +88,11 @@ class RunLogs:
     def line(self, host: str, rank: int | None, text: str) -> None:
         self._write(host, rank, text + "\n")
 
+    def lines(self, host: str, rank: int | None, texts: list[str]) -> None:
+        """A batch of one rank's lines, in one write."""
+        if texts:
+            self._write(host, rank, "\n".join(texts) + "\n")
+
     def status(self, host: str, rank: int | None, text: str) -> None:
         self._write(host, rank, text + "\r")
 

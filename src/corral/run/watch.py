@@ -46,9 +46,13 @@ _TERMINATED = {int(_signal.SIGTERM), int(_signal.SIGINT), int(_signal.SIGHUP)}
 
 #: The prefix torch >= 2.2 puts on a rank's error lines.
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+#: The first line of a Python traceback.
+_TRACEBACK = "Traceback (most recent call last):"
 
 class Sink(Protocol):
     def line(self, host: str, rank: int | None, stream: str, text: str) -> None: ...
+    # A sink may also have ``lines(host, rank, stream, texts)``: a batch of one
+    # rank's lines in order, handled at once (``line`` is called per line otherwise).
     def status(self, host: str, rank: int | None, text: str) -> None: ...
 
 
@@ -236,11 +240,23 @@ class JobWatch:
         if key in self.tracebacks:
             return
         line = _RANK_PREFIX.sub("", text.rstrip(), count=1)  # torch's own "[rank1]: " prefix
-        if line.endswith("Traceback (most recent call last):"):
+        if line.endswith(_TRACEBACK):
             self._in_traceback.add(key)
         elif key in self._in_traceback and line and not line[0].isspace():
             self._in_traceback.discard(key)
             self.tracebacks[key] = line[:300]
+
+    def _note_tracebacks(self, host: str, rank: int, texts: list[str]) -> None:
+        """``_note_traceback`` for a batch of lines: outside a traceback only
+        its first line changes anything, so the rest are skipped unread."""
+        key, i = (host, rank), 0
+        while key not in self.tracebacks and i < len(texts):
+            if key not in self._in_traceback:
+                i = next((j for j in range(i, len(texts)) if _TRACEBACK in texts[j]), len(texts))
+                if i == len(texts):
+                    return
+            self._note_traceback(host, rank, texts[i])
+            i += 1
 
     # -- events ------------------------------------------------------------
 
@@ -249,18 +265,16 @@ class JobWatch:
         node = self.nodes.get(host)
         if node is None:
             return
-        if kind in ("line", "status") and ev.get("r") is not None:
+        if kind in ("line", "lines", "status") and ev.get("r") is not None:
             self.last_progress = time.monotonic()
         if kind == "line":
             rank = ev.get("r")
-            text = self._join(host, rank, ev)
-            if text is None:
-                return
-            (self.tails[rank] if rank is not None else node.launcher_tail).append(text[:TAIL_LINE_CHARS])
-            if rank is not None:
-                self._note_traceback(host, rank, text)
-            for s in self.sinks:
-                s.line(host, rank, ev.get("s", "out"), text)
+            text = self._join(host, rank, ev.get("s", "out"), ev.get("t", ""), bool(ev.get("more")))
+            if text is not None:
+                self._lines(host, node, rank, ev.get("s", "out"), [text])
+        elif kind == "lines":
+            rank, stream = ev.get("r"), ev.get("s", "out")
+            self._lines(host, node, rank, stream, self._join_all(host, rank, stream, ev.get("ts", [])))
         elif kind == "status":
             for s in self.sinks:
                 s.status(host, ev.get("r"), ev.get("t", ""))
@@ -303,20 +317,43 @@ class JobWatch:
             self._fail(Failure(host=host, rank=None, kind="start", reason=str(ev.get("t"))))
             node.exited = True
 
-    def _join(self, host: str, rank: int | None, ev: dict) -> str | None:
+    def _lines(self, host: str, node: NodeState, rank: int | None, stream: str, texts: list[str]) -> None:
+        """Complete lines of one rank (or launcher), in order: into its tail
+        and every sink, a batch at once where the sink takes one."""
+        (self.tails[rank] if rank is not None else node.launcher_tail).extend(t[:TAIL_LINE_CHARS] for t in texts)
+        if rank is not None:
+            self._note_tracebacks(host, rank, texts)
+        for s in self.sinks:
+            batch = getattr(s, "lines", None)
+            if batch is not None:
+                batch(host, rank, stream, texts)
+            else:
+                for text in texts:
+                    s.line(host, rank, stream, text)
+
+    def _join_all(self, host: str, rank: int | None, stream: str, texts: list[str]) -> list[str]:
+        """A batch of complete lines: only its first can end a line sent in
+        pieces before it; each is held to ``MAX_LINE`` as ``_join`` does."""
+        if not texts:
+            return []
+        if (host, rank, stream) not in self._pieces and max(map(len, texts)) <= MAX_LINE + MARKER_ROOM:
+            return texts
+        joined = (self._join(host, rank, stream, t, False) for t in texts)
+        return [t for t in joined if t is not None]
+
+    def _join(self, host: str, rank: int | None, stream: str, text: str, more: bool) -> str | None:
         """The whole line once its last piece arrives (None while more follow);
         a line is cut at ``MAX_LINE`` characters, with a marker saying how
         much was dropped (the node's relay cuts first; a node that does not
         is held to the same bound here)."""
-        key = (host, rank, ev.get("s", "out"))
-        text = ev.get("t", "")
+        key = (host, rank, stream)
         pieces = self._pieces.get(key)
-        if pieces is None and not ev.get("more") and len(text) <= MAX_LINE + MARKER_ROOM:
+        if pieces is None and not more and len(text) <= MAX_LINE + MARKER_ROOM:
             return text
         if pieces is None:
             pieces = self._pieces[key] = _Pieces()
         pieces.add(text)
-        if ev.get("more"):
+        if more:
             return None
         del self._pieces[key]
         return pieces.text()
