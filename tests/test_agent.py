@@ -1037,3 +1037,41 @@ def test_an_agent_that_stops_for_a_silent_head_is_named_so_not_as_a_crash(tmp_pa
     assert closed, events
     assert "its agent stopped: it heard nothing from this machine for 2 s" in closed[0]["error"], closed
     assert "this machine's pings to it were up to" in closed[0]["error"]  # which side stalled
+
+
+def test_a_job_just_started_on_hundreds_of_nodes_waits_out_a_head_still_starting_the_rest(tmp_path) -> None:
+    """At 256 nodes on a loaded machine the head, still starting the other
+    nodes, pinged one agent 12 s apart 30 s into the launch: that agent
+    stopped its running job and the run lost a node that was up.  In a job's
+    first ``start_grace`` seconds (from 64 nodes on) an agent waits for a
+    silent head as an idle one does; after them, ``head_timeout`` again."""
+    from corral.limits import start_grace
+
+    assert start_grace(4) == 0.0 and start_grace(256) >= 30.0
+    events: list[dict] = []
+
+    async def main() -> float:
+        pool = AgentPool(_local(), tag="t", on_event=lambda s, e: events.append(e), head_timeout=1.0,
+                         start_grace=4.0)
+        await pool.open()
+        try:
+            s = pool.sessions[0]
+            await start(s, [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path)
+            t0 = time.monotonic()
+            for task in s._tasks:  # the head goes silent (it still reads)
+                if "_ping" in repr(task.get_coro()):
+                    task.cancel()
+            await asyncio.sleep(2.5)  # 2.5 head timeouts: still inside the grace
+            assert not any(e.get("ev") == "closed" for e in events), events
+            for _ in range(200):
+                if any(e.get("ev") == "closed" for e in events):
+                    break
+                await asyncio.sleep(0.05)
+            return time.monotonic() - t0
+        finally:
+            await pool.close()
+
+    took = asyncio.run(main())
+    closed = [e for e in events if e.get("ev") == "closed"]
+    assert closed and "heard nothing from this machine" in closed[0]["error"], events
+    assert took >= 3.0  # after the grace, the silent head stopped the job as before

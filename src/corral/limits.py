@@ -70,6 +70,25 @@ def ping_interval(nodes: int, timeout: float = 10.0) -> float:
     return min(max(1.0, nodes / STEADY_NODES), PING_MAX_S, max(1.0, timeout / 4))
 
 
+#: How long an agent tolerates a silent head in its job's first seconds, from
+#: ``STEADY_NODES`` nodes on (``start_grace``).
+START_GRACE_S = 60.0
+
+
+def start_grace(nodes: int) -> float:
+    """Seconds after a job starts on a node during which its agent waits for a
+    silent head as long as an agent with no job does (60 s), not ``--node-timeout``.
+
+    Why: a head starting hundreds of nodes is at its busiest while the first
+    nodes' jobs already run.  At 256 nodes on a loaded 2-core machine its
+    pings to one agent came 12 s apart 30 s into the launch, that agent
+    stopped its job as if the head were gone, and the run lost a node that
+    was up.  A head that really dies closes its ssh channels (the agents
+    stop at once); only a frozen or cut-off head is noticed later, and the
+    head's own detection of a lost node is unchanged."""
+    return START_GRACE_S if nodes >= STEADY_NODES else 0.0
+
+
 def telemetry_interval(nodes: int) -> float:
     """Seconds between one node's telemetry samples (1 s up to 64 nodes, then growing, at most 5 s)."""
     return min(max(1.0, nodes / STEADY_NODES), TELEMETRY_MAX_S)

@@ -96,8 +96,8 @@ _PRCTL = None
 _AGENT_PID = os.getpid()
 
 
-#: How often the agent says it is alive, and how long it tolerates a silent head: while
-#: its job runs, and with none (a head busy connecting hundreds of nodes; nothing to stop).
+#: How often the agent says it is alive, and how long it tolerates a silent head: while its
+#: job runs, and with none or in the job's first ``start_s`` (a head busy starting hundreds).
 HEARTBEAT_S = 1.0
 DEFAULT_HEAD_TIMEOUT_S, IDLE_HEAD_TIMEOUT_S = 10.0, 60.0
 HEAD_SILENT = "head silent for %.0f s: stopping"
@@ -150,8 +150,8 @@ class Agent:
         self.reader = reader
         self.inbox: queue.Queue = queue.Queue()
         self.last_heard = time.monotonic()
-        self.head_timeout = DEFAULT_HEAD_TIMEOUT_S
-        self.hb_s = HEARTBEAT_S
+        self.head_timeout, self.hb_s = DEFAULT_HEAD_TIMEOUT_S, HEARTBEAT_S
+        self.start_s = self.started = 0.0  # the head's start grace; when the job started
         self.proc = None
         self.tailer = None
         self.telemetry = None
@@ -198,7 +198,8 @@ class Agent:
             if self.chan.broken:
                 self.inbox.put({"op": "eof"})
                 return
-            limit = self.head_timeout if self.proc is not None else max(IDLE_HEAD_TIMEOUT_S, self.head_timeout)
+            busy = self.proc is not None and time.monotonic() - self.started >= self.start_s
+            limit = self.head_timeout if busy else max(IDLE_HEAD_TIMEOUT_S, self.head_timeout)
             if time.monotonic() - self.last_heard > limit:
                 self.chan.send(ev="log", level="warning", t=HEAD_SILENT % limit)  # the head says why
                 self.inbox.put({"op": "stop", "grace": 2.0, "reason": "head silent"})
@@ -245,7 +246,7 @@ class Agent:
             env.update(flightrec_env(self.fr_dir, env))
         activate_python(env)
         spec = dict(spec, argv=elastic_log_dir(list(spec["argv"]), env, os.path.join(tmp, "elastic")))
-        self.proc = self.take_prewarmed(spec, env, hook_dir)
+        self.proc, self.started = self.take_prewarmed(spec, env, hook_dir), time.monotonic()
         if self.proc is None:
             try:
                 self.proc = subprocess.Popen(
@@ -293,8 +294,7 @@ class Agent:
         this as soon as it is connected, so the import overlaps preflight and
         the rendezvous check.  The process then waits for its argv, cwd and
         environment (``take_prewarmed``) and runs the module's ``main`` exactly
-        as ``python -m`` would.
-        """
+        as ``python -m`` would."""
         if self.prewarmed is not None or self.proc is not None:
             return
         # torchrun's elastic agent (also inside `accelerate launch`): the head says.
@@ -316,8 +316,7 @@ class Agent:
 
         Not when the job's environment changes what Python decided at start-up
         (``PYTHONPATH``, ``LD_PRELOAD``, the locale, ...): the prewarmed
-        process started before the job's variables were known.
-        """
+        process started before the job's variables were known."""
         proc, self.prewarmed = self.prewarmed, None
         argv = list(spec["argv"])
         if proc is None:
@@ -482,7 +481,8 @@ class Agent:
                 if op in ("eof", "bye"):
                     break
                 if op == "config":  # the heartbeat is slower on hundreds of nodes (head's limits.ping_interval)
-                    self.head_timeout, self.hb_s = float(msg.get("head_timeout", 10)), float(msg.get("hb_s", 1))
+                    self.head_timeout, self.hb_s, self.start_s = (
+                        float(msg.get(k, d)) for k, d in (("head_timeout", 10), ("hb_s", 1), ("start_s", 0)))
                 elif op in handlers:
                     try:
                         handlers[op](msg)

@@ -29,6 +29,7 @@ from corral.agent.bundle import payload, remote_argv
 from corral.errors import HostError, PreflightError
 from corral.frames import MAX_FRAME, FrameError, FrameReader, ProtocolErrors, check_frame
 from corral.limits import ensure_open_files, files_needed, ping_interval
+from corral.limits import start_grace as start_grace_s  # the parameter's name is taken
 from corral.model import Cluster, Host
 from corral.transport import Transport, transport_for
 from corral.transport.fanout import PROGRESS_HOSTS, PROGRESS_S
@@ -114,7 +115,7 @@ class AgentSession:
     def stderr_text(self) -> str:
         return "\n".join(self._stderr)
 
-    async def start(self, *, timeout: float = 60.0, head_timeout: float = 10.0) -> None:
+    async def start(self, *, timeout: float = 60.0, head_timeout: float = 10.0, start_grace: float = 0.0) -> None:
         """Spawn, send the payload, wait for hello; raise a named HostError."""
         argv = self.transport.argv(self.host, remote_argv(self.host.python, self.tag))
         log.debug("%s: %s", self.name, argv)
@@ -168,7 +169,7 @@ class AgentSession:
             await self.kill()
             raise
         self.head_timeout = head_timeout
-        await self.send(op="config", head_timeout=head_timeout, hb_s=self.ping_s)
+        await self.send(op="config", head_timeout=head_timeout, hb_s=self.ping_s, start_s=start_grace)
         self._tasks.append(asyncio.create_task(self._ping()))
 
     async def _read_events(self) -> None:
@@ -456,9 +457,12 @@ class AgentPool:
         fanout: int = 64,
         connect_timeout: float = 10.0,
         head_timeout: float = 10.0,
+        start_grace: float | None = None,
     ):
         self.cluster = cluster
         self.tag = tag
+        #: An agent's longer patience in its job's first seconds (``limits.start_grace``).
+        self.start_grace = start_grace_s(len(cluster.hosts)) if start_grace is None else start_grace
         self.on_event = on_event
         self.fanout = fanout
         self.connect_timeout = connect_timeout
@@ -489,7 +493,8 @@ class AgentPool:
         async def one(s: AgentSession) -> HostError | None:
             async with sem:
                 try:
-                    await s.start(timeout=self.connect_timeout + 30, head_timeout=self.head_timeout)
+                    await s.start(timeout=self.connect_timeout + 30, head_timeout=self.head_timeout,
+                                  start_grace=self.start_grace)
                     return None
                 except HostError as e:
                     return e
