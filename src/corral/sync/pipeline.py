@@ -35,7 +35,7 @@ from corral.errors import HostError
 from corral.model import Cluster, Host
 from corral.sshsetup.remote import MARK, call_node, payload, remote_command, ssh_argv
 from corral.sync import nodedest, nodetree, procs
-from corral.transport.ssh import command_line
+from corral.transport.ssh import command_line, hop_argv
 
 log = logging.getLogger(__name__)
 
@@ -54,30 +54,6 @@ SOURCE = node_source()
 #: The longest line of a chain's answer the head reads; the rest of a longer
 #: one is dropped as it arrives (the hops' lines are short).
 MAX_ANSWER_LINE = 1024 * 1024
-
-
-def hop_argv(host: Host, *, connect_timeout: int = 10) -> list[str]:
-    """What a node runs to reach ``host``: plain ssh by address (its known_hosts
-    has every peer under its address after ``corral ssh setup``), no compression."""
-    argv = [
-        "ssh",
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        f"ConnectTimeout={connect_timeout}",
-        "-o",
-        "Compression=no",
-        "-o",
-        "LogLevel=ERROR",
-        "-T",
-        "-x",
-        "-a",
-    ]
-    if host.port is not None:
-        argv += ["-p", str(host.port)]
-    if host.user is not None:
-        argv += ["-l", host.user]
-    return argv + [host.connect_address]
 
 
 def _remote(host: Host) -> str:

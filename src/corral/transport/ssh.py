@@ -115,6 +115,23 @@ def _options(opts: tuple[str, ...]) -> list[str]:
     return out
 
 
+def hop_argv(host: Host, *, connect_timeout: float = 10, keepalive: bool = False) -> list[str]:
+    """What a *node* runs to reach ``host`` (sync's chain, exec's relays): plain
+    ssh with the node's own keys and config, by address (its known_hosts has
+    every peer under its address after ``corral ssh setup``), no compression;
+    ``keepalive``: notice a peer that goes away as this machine's ssh does."""
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(max(1, connect_timeout))}",
+            "-o", "Compression=no", "-o", "LogLevel=ERROR"]
+    if keepalive:
+        argv += ["-o", "ServerAliveInterval=3", "-o", "ServerAliveCountMax=3"]
+    argv += ["-T", "-x", "-a"]
+    if host.port is not None:
+        argv += ["-p", str(host.port)]
+    if host.user is not None:
+        argv += ["-l", host.user]
+    return argv + [host.connect_address]
+
+
 class SSHTransport:
     """Builds ``ssh`` argv for the hosts of one cluster."""
 

@@ -51,7 +51,7 @@ from corral.transport.fanout import (
     _Output,
     remote_argv,
 )
-from corral.transport.ssh import command_line, quote
+from corral.transport.ssh import command_line, hop_argv, quote
 
 #: The most a relay may print before its ready line (a login shell's noise).
 MAX_NOISE = 1024 * 1024
@@ -83,16 +83,9 @@ def groups(hosts: Sequence[Host], width: int | None = None) -> list[list[Host]]:
 
 
 def member_argv(host: Host, command: str, connect_timeout: float) -> list[str]:
-    """What a relay runs to reach ``host``: its own ssh, by address (its
-    known_hosts has its peers after ``corral ssh setup``), keepalives as here."""
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(max(1, connect_timeout))}",
-            "-o", "ServerAliveInterval=3", "-o", "ServerAliveCountMax=3", "-o", "LogLevel=ERROR",
-            "-T", "-x", "-a"]
-    if host.port is not None:
-        argv += ["-p", str(host.port)]
-    if host.user is not None:
-        argv += ["-l", host.user]
-    return argv + [host.connect_address, "--", command_line(remote_argv(command))]
+    """What a relay runs to reach ``host``: its own ssh, keepalives as here."""
+    return hop_argv(host, connect_timeout=connect_timeout, keepalive=True) + [
+        "--", command_line(remote_argv(command))]
 
 
 class Member(_Output):
