@@ -293,3 +293,29 @@ def test_a_relay_lost_mid_command_names_its_nodes_and_runs_nothing_twice(mesh_sa
     assert _sleepers(sb, "63") == {n: [] for n in sb.nodes}
     runs = {n: sb.exec(n, ["sh", "-c", "cat /tmp/tree-runs; rm -f /tmp/tree-runs"]).stdout for n in sb.nodes}
     assert runs == dict.fromkeys(sb.nodes, "start\n")  # n3 and n4 were not run a second time
+
+
+@pytest.mark.sandbox
+def test_a_relay_that_never_starts_is_stopped_and_its_group_reached_from_here(mesh_sandbox, monkeypatch) -> None:
+    """A relay whose login shell reads corral's input as its own (``exec zsh``
+    in ~/.bashrc) never says it started: without a limit, exec waited forever."""
+    from dataclasses import replace
+
+    from corral.transport.fanout import run_everywhere
+
+    sb = mesh_sandbox
+    n1, n2 = sb.nodes[:2]
+    sb.exec(n1, ["sh", "-c", "printf '#!/bin/sh\\nexec cat >/dev/null\\n' >/tmp/swallow && chmod +x /tmp/swallow"])
+    monkeypatch.setattr(tree, "START_GRACE_S", 1.0)
+    cluster = sb.cluster()
+    cluster = replace(cluster, hosts=tuple(h.with_(python="/tmp/swallow") if h.name == n1 else h
+                                           for h in cluster.hosts))
+    notices: list[str] = []
+    try:
+        results = {r.host: r for r in run_everywhere(cluster, "hostname", tree=True, connect_timeout=2,
+                                                     on_notice=notices.append)}
+    finally:
+        sb.exec(n1, ["rm", "-f", "/tmp/swallow"])
+    assert (results[n1].via, results[n1].stdout, results[n2].via, results[n2].stdout) == (None, f"{n1}\n", None, f"{n2}\n")
+    assert any(f"relay {n1} could not run (it did not start in time" in n for n in notices), notices
+    assert all(r.ok for r in results.values())

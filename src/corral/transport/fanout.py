@@ -368,6 +368,7 @@ def run_everywhere(
                         # Members end while their relay runs on.
                         for member in job.finished():
                             results[member.host.name] = member.result_for(member.rc, timeout)
+                        job.check_started(now)
                     if job.done():
                         running.remove(job)
                         if job.relay:
@@ -437,7 +438,8 @@ def _wait(running: list[_Job]) -> float | None:
     now = time.monotonic()
     marks = [t for job in running
              for t in (None if job.timed_out else job.deadline,
-                       job.kill_at if job.proc.poll() is None else None)
+                       job.kill_at if job.proc.poll() is None else None,
+                       job.start_by if job.relay else None)
              if t is not None]
     wait = max(0.0, min(marks) - now) if marks else None
     if any(job.open_streams == 0 for job in running):

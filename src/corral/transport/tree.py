@@ -59,6 +59,8 @@ MAX_NOISE = 1024 * 1024
 MAX_RELAY_ERR = 64 * 1024
 #: A frame header: ``K I N\n``.
 MAX_HEADER = 64
+#: How long a relay may take to start, past its ssh connect timeout.
+START_GRACE_S = 20.0
 
 
 def node_source() -> str:
@@ -132,7 +134,7 @@ class RelayJob:
     relay = True
 
     def __init__(self, relay: Host, members: list[Member], proc: subprocess.Popen[bytes],
-                 timeout: float | None):
+                 timeout: float | None, connect_timeout: float = 10.0):
         self.host = relay
         self.members = members
         self.proc = proc
@@ -149,6 +151,10 @@ class RelayJob:
         #: Why the relay's frames were not believed (it was then stopped).
         self.broken: str | None = None
         self.err = bytearray()
+        #: Not started by then (a login shell reading corral's input as its
+        #: own, ``exec zsh`` in ~/.bashrc): stopped, its group reached from here.
+        self.start_by: float | None = time.monotonic() + connect_timeout + START_GRACE_S
+        self.stalled = False
 
     # -- the loop's side -------------------------------------------------
 
@@ -185,6 +191,14 @@ class RelayJob:
         except ValueError as e:
             self.broken = str(e)
             self.buf.clear()
+            self.proc.kill()
+
+    def check_started(self, now: float) -> None:
+        """Stop a relay that has not started in time; nothing of it has run."""
+        if self.ready:
+            self.start_by = None
+        elif self.start_by is not None and now >= self.start_by and self.kill_at is None:
+            self.stalled, self.start_by = True, None
             self.proc.kill()
 
     def finished(self) -> list[Member]:
@@ -230,6 +244,9 @@ class RelayJob:
         return back
 
     def _failure(self) -> str:
+        if self.stalled:
+            return ("it did not start in time: a login shell that replaces itself (`exec zsh` in "
+                    "~/.bashrc) reads corral's input as commands, or a slow login")
         if self.broken:
             return f"it sent {self.broken}"
         text = bytes(self.err).decode(errors="replace").strip()
@@ -322,7 +339,7 @@ def start(cluster: Cluster, group: list[Host], command: str, timeout: float | No
                                 stderr=subprocess.PIPE, start_new_session=True, env=transport.env())
     except OSError:
         return None
-    job = RelayJob(relay, members, proc, timeout)
+    job = RelayJob(relay, members, proc, timeout, connect_timeout)
     try:
         proc.stdin.write(payload("relay", SOURCE, "relay",  # type: ignore[union-attr]
                                  {"members": specs, "probe": STDIN_PROBE.decode()}, stream=True))
