@@ -116,8 +116,8 @@ def test_a_batch_of_lines_is_cleaned_line_by_line() -> None:
     written as it came."""
     out = TTY()
     con = RunConsole(multi_host=True, out=out, color=False, status_ranks=None)
-    con.lines("vm", 0, "log", ["a", "b"])
-    con.lines("vm", 1, "log", ["open \x1b]52;c;ZWNo", "next", "\x1b[31mred\x1b[0m\x07"])
+    con.line_batch("vm", 0, "log", ["a", "b"])
+    con.line_batch("vm", 1, "log", ["open \x1b]52;c;ZWNo", "next", "\x1b[31mred\x1b[0m\x07"])
     con.close()
     assert out.getvalue() == "[vm/r0] a\n[vm/r0] b\n[vm/r1] open \n[vm/r1] next\n[vm/r1] \x1b[31mred\x1b[0m\n"
 
@@ -175,7 +175,7 @@ def test_what_a_stalled_terminal_missed_is_counted_and_each_ranks_last_lines_sho
             if batch == 1:
                 con.line("node1", rank, "log", texts[0])
             else:
-                con.lines("node1", rank, "log", texts)
+                con.line_batch("node1", rank, "log", texts)
             total += batch
     assert time.monotonic() - t0 < 30  # it never blocked (a blocked write would hang here)
     assert con._writer.backlog <= console_mod.BACKLOG_BYTES + 200 * batch

@@ -152,7 +152,13 @@ def test_stop_tears_a_detached_job_down_and_attach_then_shows_its_end(tmp_path: 
         # one host's logs; a rank the job does not have is named (it printed nothing, exit 0)
         host = re.search(r"\[(\S+)/r0\] step 0 rank 0", corral("logs", run, cwd=tmp_path).stdout)
         assert host, "no rank 0 step 0 in the logs"
-        res = corral("logs", run, "--node", host.group(1), "--tail", "1", cwd=tmp_path)
+        # A live job's rank logs are flushed every 0.5 s (its console at once): rank 1's
+        # first line after the restart marker may take that long to be the last line.
+        for _ in range(20):
+            res = corral("logs", run, "--node", host.group(1), "--tail", "1", cwd=tmp_path)
+            if sorted(re.findall(r"\[\S+/r(\d)\] step", res.stdout)) == ["0", "1"]:
+                break
+            time.sleep(0.25)
         assert res.returncode == 0 and sorted(re.findall(r"\[\S+/r(\d)\] step", res.stdout)) == ["0", "1"], res
         res = corral("logs", run, "--rank", "2", cwd=tmp_path)
         assert res.returncode == 2 and f"--rank 2: run {run} has no rank 2 (its ranks are 0-1)" in res.stderr, res

@@ -186,7 +186,7 @@ class RunConsole:
             return
         self._write(self.prefix(host, rank) + terminal_safe(text) + "\n")
 
-    def lines(self, host: str, rank: int | None, stream: str, texts: list[str]) -> None:
+    def line_batch(self, host: str, rank: int | None, stream: str, texts: list[str]) -> None:
         """A batch of one rank's lines (``line`` for each, in one write)."""
         if not texts or (rank is None and self._launcher_muted):
             return

@@ -97,7 +97,7 @@ class _LogSink:
     def line(self, host: str, rank: int | None, stream: str, text: str) -> None:
         self.logs.line(host, rank, text)
 
-    def lines(self, host: str, rank: int | None, stream: str, texts: list[str]) -> None:
+    def line_batch(self, host: str, rank: int | None, stream: str, texts: list[str]) -> None:
         self.logs.lines(host, rank, texts)
 
     def status(self, host: str, rank: int | None, text: str) -> None:

@@ -319,13 +319,14 @@ class JobWatch:
 
     def _lines(self, host: str, node: NodeState, rank: int | None, stream: str, texts: list[str]) -> None:
         """Complete lines of one rank (or launcher), in order: into its tail
-        and every sink, a batch at once where the sink takes one."""
+        and every sink, a batch at once where the sink takes one (``line_batch``)."""
         (self.tails[rank] if rank is not None else node.launcher_tail).extend(t[:TAIL_LINE_CHARS] for t in texts)
         if rank is not None:
             self._note_tracebacks(host, rank, texts)
         for s in self.sinks:
-            batch = getattr(s, "lines", None)
-            if batch is not None:
+            # A method of its own name: a sink's data may be called "lines" (doctor's capture is).
+            batch = getattr(s, "line_batch", None)
+            if callable(batch):
                 batch(host, rank, stream, texts)
             else:
                 for text in texts:
