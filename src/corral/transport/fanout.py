@@ -236,6 +236,15 @@ class _Output:
         self.partial[stream], self.partial_cut[stream] = b"", 0
 
 
+def close_stdin(proc: subprocess.Popen[bytes]) -> None:
+    """Close our end of ``proc``'s stdin (ssh forwards the EOF), once."""
+    if proc.stdin is not None and not proc.stdin.closed:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+
+
 class _Job(_Output):
     """One host's ssh (or local sh) process and what it has said so far."""
 
@@ -255,18 +264,13 @@ class _Job(_Output):
         """Close ssh's stdin: the remote wrapper stops the command's session."""
         if self.kill_at is None:
             self.kill_at = time.monotonic() + self.grace
-            if self.proc.stdin is not None and not self.proc.stdin.closed:
-                try:
-                    self.proc.stdin.close()
-                except OSError:
-                    pass
+            close_stdin(self.proc)
 
     def done(self) -> bool:
         return self.open_streams == 0 and self.proc.poll() is not None
 
     def result(self, timeout: float | None) -> HostResult:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
+        close_stdin(self.proc)
         rc = self.proc.returncode if self.proc.returncode is not None else 255
         return self.result_for(rc, timeout)
 

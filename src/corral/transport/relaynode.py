@@ -121,11 +121,6 @@ def _mux_options():
     return ["-o", "ControlMaster=auto", "-o", "ControlPath=%s/%%C" % path, "-o", "ControlPersist=60"]
 
 
-def _spawn(argv, local):
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-
-
 def relay(members, probe, stream=None):
     """Run each of ``members`` ({"argv": [...], "local": bool}) and pass their
     output up until all have ended; returns how many were reached."""
@@ -144,7 +139,8 @@ def relay(members, probe, stream=None):
         if not m.get("local") and os.path.basename(argv[0]) == "ssh":
             argv = argv[:1] + mux + argv[1:]
         try:
-            proc = _spawn(argv, m.get("local"))
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:
             up.frame(b"u", i, ("cannot run %s on the relay: %s" % (argv[0], e.strerror)).encode())
             continue

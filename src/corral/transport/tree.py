@@ -49,6 +49,7 @@ from corral.transport.fanout import (
     HostResult,
     LineCallback,
     _Output,
+    close_stdin,
     remote_argv,
 )
 from corral.transport.ssh import command_line, hop_argv, quote
@@ -165,11 +166,7 @@ class RelayJob:
                 for m in self.members:
                     if m.rc is None and m.unreached is None:
                         m.timed_out = True
-            if self.proc.stdin is not None and not self.proc.stdin.closed:
-                try:
-                    self.proc.stdin.close()
-                except OSError:
-                    pass
+            close_stdin(self.proc)
 
     def done(self) -> bool:
         return self.open_streams == 0 and self.proc.poll() is not None
@@ -179,11 +176,12 @@ class RelayJob:
             self.err += data
             del self.err[:-MAX_RELAY_ERR]
             return
-        if self.broken or self.ended or not data:
-            if not data:  # the end of the stream: members' last lines
-                for m in self.members:
-                    for s in ("out", "err"):
-                        m.end_stream(s, on_line)
+        if not data:  # the end of the stream: members' last lines
+            for m in self.members:
+                for s in ("out", "err"):
+                    m.end_stream(s, on_line)
+            return
+        if self.broken or self.ended:
             return
         self.buf += data
         try:
@@ -212,11 +210,7 @@ class RelayJob:
                fallback: Fallbacks) -> list[Host]:
         """The relay has ended: name its unfinished members, or hand them back
         (to be reached from here) when none of them can have run."""
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
+        close_stdin(self.proc)
         for m in self.finished():
             results[m.host.name] = m.result_for(m.rc, timeout)  # type: ignore[arg-type]
         back = [m.host for m in self.members if m.unreached is not None]
