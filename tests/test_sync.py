@@ -712,9 +712,75 @@ def test_a_destination_in_the_home_directory_reaches_every_node(sandbox, tmp_pat
         want = _expected(project, EXPECTED)
         for node in sandbox.nodes:
             assert node_tree(sandbox, node, home / name) == want, node
+        # The sandbox's /root is one directory for every node, like a home on
+        # NFS: four rsyncs into it raced ("symlink ... failed: File exists").
+        # It is written once, from the first node, and verified from each.
+        nodes = json.loads(res.stdout)["nodes"]
+        first, *rest = sandbox.nodes
+        assert nodes[first]["shared_with"] == {} and nodes[first]["copy"]
+        for node in rest:
+            assert nodes[node]["shared_with"] == {f"~/{name}": first}, node
+            assert nodes[node]["copy"] == [] and nodes[node]["hash"] == nodes[first]["hash"]
+        assert "is the same directory as on" in res.stderr
+        assert not [n for n in os.listdir(home / name) if n.startswith(".corral-probe-")]
     finally:
         for node in sandbox.nodes:
             sandbox.exec(node, ["rm", "-rf", str(home / name)])
+
+
+def test_node_private_destinations_are_each_written(sandbox, tmp_path: Path) -> None:
+    project = make_project(tmp_path / "proj")
+    res = corral_sync(project, sandbox.cluster_file, "--to", "/srv/private-each", "--json")
+    assert res.returncode == 0, res.stderr
+    nodes = json.loads(res.stdout)["nodes"]
+    assert all(nodes[n]["copy"] and nodes[n]["shared_with"] == {} for n in sandbox.nodes)
+    for node in sandbox.nodes:
+        assert not sandbox.exec(node, ["sh", "-c", "ls -a /srv/private-each | grep corral-probe"]).stdout
+
+
+def test_nodes_that_see_each_others_probe_share_a_directory(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    # node 0 probes first and sees nobody; node 1 sees node 0 in the same directory
+    assert nodetree.share_probe([str(one), str(two)], "t0k", 0, 3) == [[], []]
+    assert nodetree.share_probe([str(one)], "t0k", 1, 3) == [[0]]
+    assert nodetree.share_probe([str(two / "missing")], "t0k", 2, 3) == [None]
+    assert sorted(os.listdir(one)) == [".corral-probe-t0k-0", ".corral-probe-t0k-1"]
+    assert (one / ".corral-probe-t0k-1").stat().st_mode & 0o777 == 0o600
+    # never an extra file for --delete, never sent
+    assert nodetree._walk_extra(str(one), [""], set()) == []
+    nodetree.share_unprobe([str(one), str(two)], "t0k", 0)
+    nodetree.share_unprobe([str(one)], "t0k", 1)
+    assert os.listdir(one) == [] and os.listdir(two) == []
+
+
+def test_a_probe_left_by_an_interrupted_sync_is_removed_an_hour_later(tmp_path: Path) -> None:
+    old, recent = tmp_path / ".corral-probe-old-0", tmp_path / ".corral-probe-new-1"
+    old.write_text("")
+    recent.write_text("")
+    os.utime(old, (time.time() - 7200,) * 2)
+    nodetree.share_probe([str(tmp_path)], "now", 0, 1)
+    assert sorted(os.listdir(tmp_path)) == [".corral-probe-new-1", ".corral-probe-now-0"]
+
+
+def test_a_probe_is_never_written_through_a_link(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "dest").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "dest" / ".corral-probe-t-0")
+    assert nodetree.share_probe([str(tmp_path / "dest")], "t", 0, 2) == [None]
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_shared_groups_join_what_nodes_saw_and_ignore_what_no_node_of_this_sync_could_be() -> None:
+    from corral.sync.engine import _seen, share_groups
+
+    # 1 saw 0, 3 saw 2, 4 saw 3: {0,1} {2,3,4}; 5 alone
+    assert share_groups(6, [[], [0], [], [2], [3], []]) == [[0, 1], [2, 3, 4], [5]]
+    # a node's answer is untrusted: indices out of range, booleans, strings, repeats
+    answer = [[1, 1, -1, 7, True, "0", 2.0], None]
+    assert _seen(answer, 0, 3) == [1]
+    assert _seen(answer, 1, 3) == [] and _seen("junk", 0, 3) == [] and _seen([[0]], 5, 3) == []
 
 
 def test_named_parts_of_the_project_go_to_its_destination_other_trees_keep_their_path(tmp_path: Path) -> None:

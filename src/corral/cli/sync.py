@@ -184,20 +184,22 @@ def render(report: SyncReport, *, dry_run: bool, verbose: bool) -> None:
             r.hash,
             tuple(r.copy) if verbose else (),
             tuple(r.delete) if verbose else (),
+            tuple(sorted(r.shared.items())),
         )
         groups.setdefault(key, []).append(name)
     would = "would " if dry_run else ""
-    for (skipped, ncopy, nbytes, ndel, thash, copies, deletes), names in groups.items():
+    for (skipped, ncopy, nbytes, ndel, thash, copies, deletes, shared), names in groups.items():
         label = f"[bold]{escape(fold(names))}[/]"
+        same = "; ".join(f"{dest} is {node}'s (shared)" for dest, node in shared)
         if skipped:
             con.print(f"{label}: {escape(skipped)}")
         elif not ncopy and not ndel:
-            con.print(f"{label}: up to date")
+            con.print(f"{label}: " + escape(same or "up to date"))
         else:
             parts = [f"{would}copy {ncopy} file(s) ({_mb(nbytes)})"] if ncopy else []
             if ndel:
                 parts.append(f"{would}delete {ndel}")
-            con.print(f"{label}: " + ", ".join(parts))
+            con.print(f"{label}: " + escape(", ".join(parts + ([same] if same else []))))
         for p in copies:
             con.print(f"    [green]+[/] {escape(p)}")
         for p in deletes:

@@ -6,10 +6,13 @@
    and, with ``--delete``, which files it has that the head does not;
 3. dry run / check: report that and stop;
 4. delete extra files (never ones the ignore rules protect);
-5. send large files along a node-to-node chain (``pipeline``) when nodes can
+5. when several nodes have something to write, find the destinations that
+   are one directory seen by several of them (a home on NFS): only the
+   first node of each such group is written to, the others verified;
+6. send large files along a node-to-node chain (``pipeline``) when nodes can
    log in to each other, the rest (and everything, otherwise) with rsync
    from the head to every node in parallel;
-6. verify: every node describes its tree again; its tree hash must equal
+7. verify: every node describes its tree again; its tree hash must equal
    the head's, else the node and the files are named.
 
 The library never prints; ``SyncView`` receives notes and progress.
@@ -21,6 +24,7 @@ import asyncio
 import hashlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from corral.errors import HostError, PreflightError
+from corral.hostrange import fold
 from corral.model import Cluster, Host
 from corral.sshsetup.remote import call_node, gather_hosts, remote_command, ssh_argv
 from corral.sync import filelist, nodetree, pipeline, rsync
@@ -88,6 +93,9 @@ class NodeResult:
     #: Files that still differ after the sync (or, for --check, that differ): path -> why.
     mismatch: Mapping[str, str] = field(default_factory=dict)
     skipped: str | None = None
+    #: Destinations that are the same directory as on another node (a shared
+    #: filesystem): destination -> that node, which was written to instead.
+    shared: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -125,6 +133,7 @@ class SyncReport:
                     "bytes": r.bytes,
                     "mismatch": dict(r.mismatch),
                     "skipped": r.skipped,
+                    "shared_with": dict(r.shared),
                 }
                 for n, r in self.nodes.items()
             },
@@ -158,6 +167,45 @@ def hinted(problem: HostError) -> HostError:
     return HostError(problem.host, text, hint=hint.format(host=problem.host), kind=problem.kind)
 
 
+def _drop_unit(plan: dict[str, Any], unit: int, units: list[Unit], heads: list[dict]) -> None:
+    """Nothing of ``unit`` is written to this node (another node shares its directory)."""
+    plan["copy_pairs"] = [(j, p) for j, p in plan["copy_pairs"] if j != unit]
+    plan["delete_pairs"] = [(j, p) for j, p in plan["delete_pairs"] if j != unit]
+    plan["copy"] = [f"{units[j].dest}/{p}" for j, p in plan["copy_pairs"]]
+    plan["delete"] = [f"{units[j].dest}/{p}" for j, p in plan["delete_pairs"]]
+    plan["bytes"] = sum(heads[j]["entries"][p][2] for j, p in plan["copy_pairs"])
+
+
+def _seen(answer: Any, unit: int, count: int) -> list[int]:
+    """The peers a node says it saw for ``unit``: untrusted, so only indices
+    of this sync's nodes, each at most once."""
+    if not isinstance(answer, list) or unit >= len(answer) or not isinstance(answer[unit], list):
+        return []
+    return sorted({j for j in answer[unit][:count] if type(j) is int and 0 <= j < count})
+
+
+def share_groups(count: int, seen: list[list[int]]) -> list[list[int]]:
+    """Nodes ``0..count-1`` joined wherever one saw another's probe; each group
+    sorted, singles included, in order of their first member."""
+    parent = list(range(count))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, peers in enumerate(seen):
+        for j in peers:
+            a, b = root(i), root(j)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for i in range(count):
+        groups.setdefault(root(i), []).append(i)
+    return sorted(groups.values())
+
+
 def combined(hashes: list[str]) -> str:
     if len(hashes) == 1:
         return hashes[0]
@@ -181,6 +229,9 @@ class Syncer:
         self._stop = threading.Event()
         #: Nodes whose chain hop failed for good (a full disk): not retried.
         self._failed: dict[str, HostError] = {}
+        #: node -> {destination: the node written to instead} (``_share``).
+        self._shared: dict[str, dict[str, str]] = {}
+        self._unprobe: asyncio.Task | None = None
 
     def _note(self, text: str) -> None:
         self.notes.append(text)
@@ -207,9 +258,10 @@ class Syncer:
             # asyncio.run waits for it before corral exits; it stops at its
             # next chunk instead of at the end of a large tree.
             self._stop.set()
-            if self._probe is not None and not self._probe.done():
-                self._probe.cancel()
-                await asyncio.gather(self._probe, return_exceptions=True)
+            for task in (self._probe, self._unprobe):
+                if task is not None and not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
 
     async def _run(self) -> SyncReport:
         t0 = time.monotonic()
@@ -261,8 +313,11 @@ class Syncer:
         mode = "up to date"
         after: dict[str, list[dict]] = {}
         if work:
-            await self._delete(work, units, plans)
-            mode = await self._transfer(work, units, heads, plans)
+            send = await self._share(work, units, heads, plans) if len(work) > 1 else work
+            await self._delete(send, units, plans)
+            mode = await self._transfer(send, units, heads, plans)
+            if self._unprobe is not None:
+                await self._unprobe
             log.debug("%.2fs: transfer (%s)", time.monotonic() - t0, mode)
             after = await self._status(work, units, scope=False, dry_run=False)
             log.debug("%.2fs: verified", time.monotonic() - t0)
@@ -282,6 +337,7 @@ class Syncer:
                 bytes=plan["bytes"],
                 hash=combined([s["hash"] for s in status]),
                 mismatch=mismatch,
+                shared=self._shared.get(h.name, {}),
             )
         return SyncReport(
             units=unit_info,
@@ -402,6 +458,49 @@ class Syncer:
         _, problems = await gather_hosts([h for h in hosts if plans[h.name]["delete_n"]], one)
         if problems:
             raise PreflightError(problems, what="sync --delete")
+
+    # -- shared destinations ------------------------------------------------------
+
+    async def _share(
+        self, hosts: list[Host], units: list[Unit], heads: list[dict], plans: dict
+    ) -> list[Host]:
+        """The hosts to write to: one per directory several of ``hosts`` share.
+
+        Several rsyncs into one NFS directory race (rsync's "symlink ...
+        failed: File exists", exit 23) and send the tree once per node to
+        the same file server.  Each node creates a probe file named for this
+        sync and its index and looks up the others' (``nodedest.share_probe``);
+        nodes that see each other's probes share that destination.  The
+        other members' plans for it are dropped here, and the verify step
+        still describes the directory from every node, so a node wrongly
+        grouped (a lying answer) is named, not silently left out of date."""
+        token = os.urandom(8).hex()
+        index = {h.name: i for i, h in enumerate(hosts)}
+
+        def roots(host: Host) -> list[str]:
+            return list(plans[host.name]["dests"])
+
+        answers, problems = await gather_hosts(hosts, lambda h: self.call(
+            h, "share_probe", {"roots": roots(h), "token": token, "index": index[h.name],
+                               "count": len(hosts)}))
+        self._unprobe = asyncio.create_task(gather_hosts(hosts, lambda h: self.call(
+            h, "share_unprobe", {"roots": roots(h), "token": token, "index": index[h.name]})))
+        if problems:
+            raise PreflightError([hinted(p) for p in problems], what="sync")
+        for i, unit in enumerate(units):
+            groups = share_groups(
+                len(hosts), [_seen(answers.get(h.name), i, len(hosts)) for h in hosts])
+            for group in groups:
+                first = hosts[group[0]]
+                others = [hosts[j] for j in group[1:]]
+                for h in others:
+                    _drop_unit(plans[h.name], i, units, heads)
+                    self._shared.setdefault(h.name, {})[unit.dest] = first.name
+                if others:
+                    self._note(f"{fold([h.name for h in others])}: {unit.dest} is the same directory "
+                               f"as on {first.name} (a shared filesystem): written once, from "
+                               f"{first.name}, and verified from each")
+        return [h for h in hosts if plans[h.name]["copy_pairs"] or plans[h.name]["delete_pairs"]]
 
     # -- transfer ----------------------------------------------------------------
 

@@ -15,6 +15,10 @@ namespace there; ``pipeline.SOURCE``), imported by it on the head.
 - A file written here goes to a private temporary file created exclusively
   next to it (``create_tmp``), removed on every failure (``discard``), and
   a failure to write is named for the user (``write_error``: a full disk).
+- Destinations that are one directory on several nodes (a home on NFS) are
+  found by ``share_probe``: each node creates a file named for the sync and its
+  index, then looks each peer's name up; the head writes such a directory
+  once instead of racing several rsyncs into it.
 """
 
 from __future__ import annotations
@@ -22,10 +26,16 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 
 #: Written into a destination on its first sync: ``--delete`` refuses a
 #: non-empty directory without it (a home, /srv, someone's checkout).
 MARKER = ".corral-sync"
+#: ``PROBE + token + "-" + index``: one node's sign that it sees a destination
+#: (see ``share_probe``); never synced, never an "extra" file for ``--delete``.
+PROBE = ".corral-probe-"
+#: A probe older than this was left by an interrupted sync; the next probe removes it.
+PROBE_STALE_S = 3600
 MARKER_TEXT = (
     "This directory is a destination of `corral sync`.\n"
     "`corral sync --delete` removes files here that are not in the synced tree;\n"
@@ -266,3 +276,81 @@ def discard(dfd, tmp, fd) -> None:
             os.unlink(tmp, dir_fd=dfd)
         except OSError:
             pass
+
+
+def _probe_name(token: str, index: int) -> str:
+    return "%s%s-%d" % (PROBE, token, index)
+
+
+def share_probe(roots: list, token: str, index: int, count: int) -> list:
+    """For each destination root (made by ``status`` already): the indices of
+    the other nodes of this sync that see the same directory.
+
+    Node ``index`` creates its own probe file, then looks up every peer's by
+    name.  Each node writes before it looks, so of two nodes sharing a
+    directory the one that looks last sees the other's; the head joins
+    the pairs.  Lookups by a name never used before are asked of the file
+    server (an NFS client has no cached answer for it), where a directory
+    listing could be served from a stale cache.  A root that cannot be
+    probed (read-only, a link below) answers None: it is treated as this
+    node's own, and ``status`` or the transfer names the real problem."""
+    out = []
+    for root in roots:
+        root = os.path.expanduser(root)
+        try:
+            fd = open_dir(root, [])
+        except OSError:
+            out.append(None)
+            continue
+        try:
+            _remove_stale(fd, token)
+            try:
+                os.close(os.open(_probe_name(token, index),
+                                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 0o600, dir_fd=fd))
+            except OSError:
+                out.append(None)
+                continue
+            seen = []
+            for j in range(count):
+                if j == index:
+                    continue
+                try:
+                    os.stat(_probe_name(token, j), dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                seen.append(j)
+            out.append(seen)
+        finally:
+            os.close(fd)
+    return out
+
+
+def share_unprobe(roots: list, token: str, index: int) -> None:
+    """Remove this node's probe files of ``token`` (where they still are)."""
+    for root in roots:
+        try:
+            fd = open_dir(os.path.expanduser(root), [])
+        except OSError:
+            continue
+        try:
+            os.unlink(_probe_name(token, index), dir_fd=fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _remove_stale(fd: int, token: str) -> None:
+    """Probes of earlier syncs that were interrupted before removing theirs."""
+    try:
+        names = [n for n in os.listdir(fd) if n.startswith(PROBE) and not n.startswith(PROBE + token)]
+    except OSError:
+        return
+    for name in names[:1024]:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > PROBE_STALE_S:
+                os.unlink(name, dir_fd=fd)
+        except OSError:
+            continue

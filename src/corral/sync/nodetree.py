@@ -59,6 +59,7 @@ HOP = "@@hop "
 if "_CORRAL_HEADER" not in globals():  # on the head; on a node nodedest's source ran just before
     from corral.sync.nodedest import (
         MARKER,
+        PROBE,
         DestinationError,
         create_tmp,
         discard,
@@ -70,6 +71,8 @@ if "_CORRAL_HEADER" not in globals():  # on the head; on a node nodedest's sourc
         open_dir,
         refused,
         rel_parts,
+        share_probe,
+        share_unprobe,
         write_all,
         write_error,
         write_marker,
@@ -81,7 +84,10 @@ if "_CORRAL_HEADER" not in globals():  # on the head; on a node nodedest's sourc
 
 
 def cache_file(root: str) -> str:
-    key = hashlib.sha1(os.path.abspath(root).encode()).hexdigest()[:16]
+    """Per machine and root: a home shared by the nodes (NFS) holds every
+    node's cache side by side, not one they keep overwriting."""
+    where = "%s\0%s" % (os.uname().nodename, os.path.abspath(root))
+    key = hashlib.sha1(where.encode()).hexdigest()[:16]
     return os.path.join(os.path.expanduser("~"), ".cache", "corral", "sync", key + ".json")
 
 
@@ -96,7 +102,7 @@ def load_cache(root: str) -> dict:
 
 def save_cache(root: str, cache: dict) -> None:
     path = cache_file(root)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = "%s.%s.tmp" % (path, os.urandom(6).hex())  # pids repeat across machines
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "w") as fh:
@@ -206,7 +212,7 @@ def _walk_extra(root: str, scope: list, expected: dict) -> list:
             ]
             for name in list(filenames) + links:
                 rel = name if rel_dir == "." else rel_dir + "/" + name
-                if rel not in expected and name != MARKER:
+                if rel not in expected and name != MARKER and not name.startswith(PROBE):
                     extra.append(rel)
     return sorted(set(extra))
 
