@@ -1056,6 +1056,15 @@ def test_a_destination_marker_is_never_sent(tmp_path: Path) -> None:
     assert not [p for p in filelist.build_units(root, ("src",))[0].paths if p.endswith(nodetree.MARKER)]
 
 
+def test_a_sharing_probe_is_never_sent(tmp_path: Path) -> None:
+    # A source that is itself a node's destination (one NFS directory) holds
+    # that node's probe while a sync runs.
+    root = make_project(tmp_path / "p")
+    (root / ".corral-probe-abc-3").write_text("")
+    [unit] = filelist.build_units(root)
+    assert unit.paths and not [p for p in unit.paths if ".corral-probe-" in p]
+
+
 # ---------------------------------------------------------------------------
 # what the head reads from the chain is believed for the chain's nodes only
 

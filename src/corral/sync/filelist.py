@@ -24,7 +24,7 @@ from pathlib import Path
 
 from corral.errors import UsageError
 from corral.sync.ignore import IgnoreRules, parse
-from corral.sync.nodedest import MARKER
+from corral.sync.nodedest import MARKER, PROBE
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +299,10 @@ def build_units(cwd: Path, names: tuple[str, ...] = (), to: str | None = None,
 
 def _without_markers(unit: Unit) -> Unit:
     """Never send a destination marker, even one a ``.corralignore`` re-includes
-    or a name asks for: it would make a directory look synced to ``--delete``."""
-    paths = tuple(p for p in unit.paths if p.rsplit("/", 1)[-1] != MARKER)
+    or a name asks for: it would make a directory look synced to ``--delete``.
+    Nor a sharing probe (a source that is itself some node's destination)."""
+    paths = tuple(p for p in unit.paths
+                  if (name := p.rsplit("/", 1)[-1]) != MARKER and not name.startswith(PROBE))
     return unit if len(paths) == len(unit.paths) else replace(unit, paths=paths)
 
 

@@ -71,8 +71,8 @@ if "_CORRAL_HEADER" not in globals():  # on the head; on a node nodedest's sourc
         open_dir,
         refused,
         rel_parts,
-        share_probe,
-        share_unprobe,
+        share_probe,  # noqa: F401  (called on the nodes by name)
+        share_unprobe,  # noqa: F401
         write_all,
         write_error,
         write_marker,
