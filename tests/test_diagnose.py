@@ -1457,3 +1457,115 @@ def test_a_hung_runs_flight_recorder_dumps_name_the_rank_and_the_collective(tmp_
     assert "Flight recorder: group 0 diverges at collective #45: ranks 0-2 entered all_reduce [1000] Float" in res.output
     assert "rank 3 (vm, pid 17422) entered #45 as barrier" in res.output and "skip.py:22" in res.output
     assert json.loads(_invoke(str(run), "--json").output)["flightrec"]["culprits"] == [3]
+
+
+# ---------------------------------------------------------------------------
+# one log of many ranks: torchrun's (or accelerate's) own exception at the end
+# is the launcher relaying an exit, not the program's
+
+
+_TORCHRUN_TAIL = """\
+E1127 10:01:02.123000 1234 torch/distributed/elastic/multiprocessing/api.py:874] failed (exitcode: {code}) local_rank: {rank} (pid: 1240) of binary: /usr/bin/python3
+Traceback (most recent call last):
+  File "/usr/local/bin/torchrun", line 8, in <module>
+    sys.exit(main())
+  File "/usr/local/lib/python3.10/dist-packages/torch/distributed/launcher/api.py", line 263, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-27_10:01:02
+  host      : gpu07
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : {code} (pid: 1240)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+_RANK3_KEYERROR = """\
+[rank3]: Traceback (most recent call last):
+[rank3]:   File "/home/u/train.py", line 40, in <module>
+[rank3]:     batch = next(it)["input_ids"]
+[rank3]: KeyError: 'input_ids'
+"""
+
+_RANK0_ECHO = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/home/u/train.py", line 44, in <module>
+[rank0]:     loss.backward()
+[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.4]:38574. This is typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error.
+"""
+
+
+def test_a_torchrun_log_shows_the_ranks_exception_not_childfailederror(tmp_path, monkeypatch):
+    monkeypatch.setattr(prefilter, "CHUNK", 61)  # both tracebacks cut by block boundaries
+    log = tmp_path / "slurm-812.out"
+    log.write_text("step 1\n" * 50 + _RANK3_KEYERROR + _TORCHRUN_TAIL.format(code=1, rank=3))
+    exc = last_exception(log)
+    assert (exc.text, exc.rank, exc.line, exc.user_frame.line) == ("KeyError: 'input_ids'", 3, 54, 40)
+    assert exc.launcher.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+    assert dict(exc.summary) == {"host": "gpu07", "rank": "3", "exitcode": "1"}
+
+
+def test_torchruns_root_cause_rank_is_shown_first_and_the_others_echo_is_its_consequence(tmp_path):
+    log = tmp_path / "slurm-812.out"
+    log.write_text(_RANK3_KEYERROR + _RANK0_ECHO + _TORCHRUN_TAIL.format(code=1, rank=3))
+    result = _invoke(str(log))
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "1. rank 3 on gpu07 failed first: KeyError: 'input_ids' (train.py:40)" in out
+    assert "2. Consequence of the first failure: A peer rank went away" in out
+    data = json.loads(_invoke(str(log), "--json").output)
+    assert data["first_error"]["rank"] == 3 and data["exception"]["launcher"].endswith("ChildFailedError:")
+    # without torchrun's summary naming rank 3 the echo stays the likely cause (nothing is guessed)
+    log.write_text(_RANK3_KEYERROR + _RANK0_ECHO)
+    data = json.loads(_invoke(str(log), "--json").output)
+    assert data["first_error"] is None and data["diagnoses"][0]["rule_id"] == "peer-process-exited"
+    # a summary naming the echoing rank (another node's torchrun ended last): no rank is promoted
+    log.write_text(_RANK3_KEYERROR + _RANK0_ECHO + _TORCHRUN_TAIL.format(code=1, rank=0))
+    data = json.loads(_invoke(str(log), "--json").output)
+    assert data["first_error"] is None and data["diagnoses"][0]["rule_id"] == "peer-process-exited"
+
+
+def test_a_rank_that_exited_without_a_traceback_is_named_from_torchruns_summary(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("epoch 1\nworking\n" + _TORCHRUN_TAIL.format(code=3, rank=2))
+    result = _invoke(str(log))
+    assert result.exit_code == 1, result.output
+    out = " ".join(result.output.split())
+    assert "rank 2 on gpu07 exited with code 3 (torchrun's summary at the log's end, line 9); it printed " \
+           "no Python traceback here" in out
+    assert "sys.exit(N)" in out and "ChildFailedError" not in out and "NCCL_DEBUG" not in out
+    data = json.loads(_invoke(str(log), "--json").output)
+    assert data["exception"]["summary"] == {"host": "gpu07", "rank": "2", "exitcode": "3"}
+
+
+def test_accelerates_calledprocesserror_is_the_launcher_a_scripts_own_is_not(tmp_path):
+    user = ('Traceback (most recent call last):\n  File "/home/u/train.py", line 5, in <module>\n'
+            "    main()\nValueError: learning rate must be positive\n")
+    launcher = (
+        'Traceback (most recent call last):\n  File "/usr/local/bin/accelerate", line 8, in <module>\n'
+        "    sys.exit(main())\n"
+        '  File "/usr/local/lib/python3.10/dist-packages/accelerate/commands/launch.py", line 763, in '
+        "simple_launcher\n    raise subprocess.CalledProcessError(returncode=process.returncode, cmd=cmd)\n"
+        "subprocess.CalledProcessError: Command '['/usr/bin/python3', 'train.py']' returned non-zero "
+        "exit status 1.\n")
+    log = tmp_path / "a.log"
+    log.write_text(user + launcher)
+    exc = last_exception(log)
+    assert exc.text == "ValueError: learning rate must be positive" and exc.launcher.startswith("subprocess.")
+    out = " ".join(_invoke(str(log)).output.split())
+    assert "The log ends with the launcher's CalledProcessError; before it, the program's own exception: " \
+           "ValueError: learning rate must be positive (train.py:5)" in out
+    # a script's own subprocess failure is its exception
+    own = launcher.replace("/usr/local/lib/python3.10/dist-packages/accelerate/commands/launch.py",
+                           "/home/u/prep.py")
+    log.write_text(user + own)
+    assert last_exception(log).type == "subprocess.CalledProcessError"

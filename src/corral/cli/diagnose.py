@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import sys
 from pathlib import Path
 
@@ -141,6 +143,8 @@ def _as_json(report: RunReport) -> dict:
             "message": report.exception.message, "line": report.exception.line,
             "where": None if report.exception.user_frame is None else
             f"{basename(report.exception.user_frame.file)}:{report.exception.user_frame.line}",
+            "rank": report.exception.rank, "launcher": report.exception.launcher or None,
+            "summary": dict(report.exception.summary) or None,
         },
         "diagnoses": [d.to_dict() for d in report.diagnoses],
         "failure_lines": None if report.failure_lines is None else [
@@ -250,10 +254,19 @@ def _print_report(report: RunReport, *, show_all: bool) -> None:
 def _print_exception(con, exc) -> None:
     """A single log that ends with a Python exception no rule knows: name it
     instead of suggesting NCCL debug settings that would not change it."""
+    if exc.summary and not exc.launcher:
+        _print_launcher_summary(con, exc)
+        return
     frame = exc.user_frame
     where = f" ({basename(frame.file)}:{frame.line})" if frame else ""
     text = exc.text if len(exc.text) <= _SHOWN_LINE else exc.text[:_SHOWN_LINE] + " ..."
-    con.print(f"\n[bold]The log ends with a Python exception: {escape(text + where)}[/]")
+    if exc.launcher:
+        launcher = exc.launcher.split(":", 1)[0].rsplit(".", 1)[-1]
+        on = f"rank {exc.rank}'s" if exc.rank is not None else "the program's"
+        con.print(f"\n[bold]The log ends with the launcher's {escape(launcher)}; before it, {on} own "
+                  f"exception: {escape(text + where)}[/]")
+    else:
+        con.print(f"\n[bold]The log ends with a Python exception: {escape(text + where)}[/]")
     con.print(f"   [cyan]log:[/] line {exc.line}")
     con.print("   [cyan]traceback:[/]" + (" [dim](end)[/]" if len(exc.shown) > 6 else ""))
     for line in exc.shown[-6:]:
@@ -261,6 +274,32 @@ def _print_exception(con, exc) -> None:
         con.print(f"     {escape(shown)}")
     at = f" at {basename(frame.file)}:{frame.line}" if frame else ""
     con.print(f"   [dim]{escape(f'No known failure signature matches it: the program raised it{at}; the traceback shows why. If this is one rank of a multi-node run, `corral diagnose <run-dir>` compares it with the other ranks and nodes (a file missing on some nodes only, say).')}[/]")
+
+
+def _print_launcher_summary(con, exc) -> None:
+    """torchrun's ChildFailedError with no rank traceback before it: its
+    "Root Cause" block (rank, host, exit code) is the failure."""
+    got = dict(exc.summary)
+    code = got.get("exitcode", "?")
+    who = f"rank {got.get('rank', '?')}" + (f" on {got['host']}" if got.get("host") else "")
+    if code.lstrip("-").isdigit() and int(code) < 0:
+        sig = -int(code)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        how, why = (f"was killed by {name}",
+                    "Something outside the program stopped it: the kernel's OOM killer (`dmesg` on that "
+                    "host), a scheduler's limit, or a user; its last lines show how far it got.")
+    elif code == "?":
+        how, why = ("failed", "Its exit code is not in the summary; the rank's last lines say how far it got.")
+    else:
+        how, why = (f"exited with code {code}",
+                    "sys.exit(N) and os._exit(N) print nothing, argparse prints `error: ...` and exits "
+                    "with 2: the rank's last lines say why.")
+    con.print(f"\n[bold]{escape(who)} {escape(how)} (torchrun's summary at the log's end, line "
+              f"{exc.line}); it printed no Python traceback here[/]")
+    con.print(f"   [dim]{escape(why + ' With its own output in separate files, `corral diagnose <run-dir>` shows them side by side.')}[/]")
 
 
 def _print_first_error(con, n: int, report: RunReport) -> None:

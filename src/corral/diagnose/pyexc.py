@@ -5,16 +5,21 @@ signature, and corral does not guess a cause for it; but in a run directory
 it is the first thing to show when the rank that failed first raised it: the
 other ranks' errors ("connection closed by peer") are only its echo.
 
-Only the last traceback is kept (a chained exception's last part is the one
+Only the last traceback counts (a chained exception's last part is the one
 that ended the process), read from the log's tail, so a huge log costs one
-pass of substring checks and bounded memory.
+pass of substring checks and bounded memory.  A launcher's own traceback at
+the end (torchrun's ``ChildFailedError``, accelerate's ``CalledProcessError``)
+is not the program's: the rank's exception before it is (the one torchrun's
+"Root Cause" block names, when ranks are prefixed), and without one that
+block's rank, host and exit code are the facts to show.
 """
 
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from corral.diagnose.logtext import MAX_LINE, LogLine, open_log, parse
@@ -28,6 +33,12 @@ _EXC = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::\s?(?P<message
 _MAX_TB_LINES = 2000
 #: Frames kept of one traceback (the innermost ones).
 _MAX_FRAMES = 64
+#: Tracebacks kept from the log's end: the ranks' come before their launcher's.
+_KEPT_TRACEBACKS = 16
+#: Files of launchers whose CalledProcessError only relays a child's exit.
+_LAUNCHER_FILE = re.compile(r"accelerate[/\\]commands[/\\]|deepspeed[/\\]launcher[/\\]|torch[/\\]distributed[/\\]")
+# torchrun's summary: "Root Cause (first observed failure):" then "host : n1", "rank : 3 (local_rank: 1)", "exitcode : -9 (pid: 12)"
+_SUMMARY_FIELD = re.compile(r"^(host|rank|exitcode)\s*:\s*(\S+)")
 # Library code: installed packages, the standard library, frozen and generated modules.
 _LIBRARY = re.compile(
     r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib[/\\]python\d+(?:\.\d+)?[/\\]|[/\\]Lib[/\\]|^<"
@@ -73,6 +84,28 @@ class PyException:
     frames: tuple[Frame, ...]
     #: The traceback as printed (prefixes kept), from its header to the exception line.
     shown: tuple[str, ...] = ()
+    #: The rank its lines were prefixed with (``[rank3]:``), if any.
+    rank: int | None = None
+    #: The launcher's exception that followed it (``...ChildFailedError:``), when
+    #: this one is the rank's exception found before the launcher's.
+    launcher: str = ""
+    #: What the launcher's summary says of the first failure (``host``,
+    #: ``rank``, ``exitcode``: torchrun's "Root Cause" block), if it has one.
+    summary: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def is_launcher(self) -> bool:
+        """torchrun's ChildFailedError or a launcher's CalledProcessError: a
+        child's exit relayed, not the program's own exception."""
+        kind = self.type.rsplit(".", 1)[-1]
+        if kind == "ChildFailedError":
+            return True
+        return kind == "CalledProcessError" and any(_LAUNCHER_FILE.search(f.file) for f in self.frames)
+
+    @property
+    def failed_first(self) -> bool:
+        """A rank's exception that the launcher's summary names as the first failure."""
+        return bool(self.launcher) and self.rank is not None and dict(self.summary).get("rank") == str(self.rank)
 
     @property
     def user_frame(self) -> Frame | None:
@@ -123,33 +156,87 @@ def parse_traceback(lines: Iterable[LogLine]) -> PyException | None:
         if m and frames:
             found = PyException(
                 text=text, type=m["type"], message=(m["message"] or "").strip(), line=ln.number,
-                frames=tuple(frames), shown=(*shown, ln.shown),
+                frames=tuple(frames), shown=(*shown, ln.shown), rank=ln.rank,
             )
         base = None
     return found
 
 
 def last_exception(path: str | Path) -> PyException | None:
-    """The last Python exception a log file shows (its last traceback), if any.
+    """The last Python exception a log file shows (its last traceback), if any;
+    for a launcher's exception, the rank's before it (see the module docstring).
 
-    The file is read in large blocks and only searched (``str.rfind``, in C)
-    for the last traceback header: lines are split only from there on, so a
+    The file is read in large blocks and only searched (``str.find``, in C)
+    for traceback headers: lines are split only from a header on, so a
     multi-gigabyte log costs a pass at memory speed, not a Python loop per line.
     """
-    tail: list[tuple[int, str]] = []
+    found = []
+    for tail in _tails(path):
+        exc = parse_traceback(ln for number, raw in tail for ln in parse(raw, number))
+        if exc is not None:
+            found.append((exc, tail))
+    if not found:
+        return None
+    last, tail = found[-1]
+    if not last.is_launcher:
+        return last
+    summary = _summary(tail, last.line)
+    ranks = [e for e, _ in found[:-1] if not e.is_launcher]
+    rank = dict(summary).get("rank", "")
+    named = [e for e in ranks if rank.isdigit() and e.rank == int(rank)]
+    if named or ranks:
+        return replace((named or ranks)[-1], launcher=last.text, summary=summary)
+    return replace(last, summary=summary)
+
+
+def _tails(path: str | Path) -> list[list[tuple[int, str]]]:
+    """The lines from each of the log's last tracebacks on (at most
+    ``_MAX_TB_LINES`` each), oldest first."""
+    tails: deque[list[tuple[int, str]]] = deque(maxlen=_KEPT_TRACEBACKS)
+
+    def add(tail: list[tuple[int, str]], number: int, text: str) -> None:
+        room = _MAX_TB_LINES - len(tail)
+        if room <= 0 or not text:
+            return
+        lines = text.split("\n", room)[:room]
+        if lines and lines[-1] == "":
+            lines.pop()
+        tail += [(number + i, raw[:MAX_LINE]) for i, raw in enumerate(lines)]
+
     with open_log(path) as stream:
         for number, text in blocks(stream, MAX_LINE):
-            at = text.rfind(_HEADER)
-            if at >= 0:
+            starts: list[int] = []
+            at = text.find(_HEADER)
+            while at >= 0:
                 start = text.rfind("\n", 0, at) + 1
-                number += text.count("\n", 0, start)
-                tail = []
-                text = text[start:]
-            elif not tail or len(tail) >= _MAX_TB_LINES:
-                continue
-            lines = text.split("\n")
-            if lines and lines[-1] == "":
-                lines.pop()
-            room = _MAX_TB_LINES - len(tail)
-            tail += [(number + i, raw[:MAX_LINE]) for i, raw in enumerate(lines[:room])]
-    return parse_traceback(ln for number, raw in tail for ln in parse(raw, number))
+                if not starts or start != starts[-1]:
+                    starts.append(start)
+                at = text.find(_HEADER, at + len(_HEADER))
+            if tails:
+                add(tails[-1], number, text[: starts[0]] if starts else text)
+            counted = 0
+            for a, b in zip(starts, [*starts[1:], len(text)]):
+                number += text.count("\n", counted, a)
+                counted = a
+                tails.append([])
+                add(tails[-1], number, text[a:b])
+    return list(tails)
+
+
+def _summary(tail: list[tuple[int, str]], after: int) -> tuple[tuple[str, str], ...]:
+    """``host``, ``rank`` and ``exitcode`` of torchrun's "Root Cause" block."""
+    fields: dict[str, str] = {}
+    seen = False
+    for number, raw in tail:
+        if number <= after:
+            continue
+        for ln in parse(raw, number):
+            if "Root Cause (first observed failure)" in ln.text:
+                seen = True
+            elif seen:
+                m = _SUMMARY_FIELD.match(ln.text)
+                if m:
+                    fields.setdefault(m[1], m[2])
+        if seen and ("=" * 20 in raw or len(fields) == 3):
+            break
+    return tuple(fields.items()) if seen else ()

@@ -181,9 +181,15 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
                 signs = failure_lines_in_file(root) if unexplained else None
             except OSError:
                 exc, signs = None, None
+        first = _file_first_error(root, exc, diags)
+        if first is not None:
+            # torchrun named the rank that failed first: symptoms on the others are its echo
+            diags = [replace(d, consequence=True) if d.symptom and d.rank != first.rank else d
+                     for d in diags]
+            diags.sort(key=lambda d: (d.notice, d.consequence))
         return RunReport(path=str(root), kind="file", files=(str(root),), failure=None,
                          facts_hosts=tuple(sorted(facts or {})), diagnoses=tuple(diags),
-                         exception=exc, failure_lines=signs)
+                         exception=exc, failure_lines=signs, first_error=first)
     run_json = root / "run.json"
     record = _read_record(run_json) if run_json.is_file() else {}
     failure = _failure(record)
@@ -332,6 +338,27 @@ def _rank_hosts(record: Mapping[str, Any]) -> dict[int, str]:
                 if isinstance(r, int):
                     out[r] = h["name"]
     return out
+
+
+def _file_first_error(path: Path, exc: PyException | None,
+                      diags: Sequence[Diagnosis]) -> FirstError | None:
+    """In one log of many ranks (torchrun's output, a Slurm job's file): the
+    exception of the rank torchrun's summary names as the first failure."""
+    if exc is None or not exc.failed_first:
+        return None
+    if any(d.symptom and d.rank == exc.rank for d in diags):
+        # "Connection closed by peer": in a file of several nodes' torchruns,
+        # the last summary is that of a node whose ranks only echoed another's
+        return None
+    assert exc.rank is not None
+    frame = exc.user_frame
+    return FirstError(
+        host=dict(exc.summary).get("host"), rank=exc.rank, exception=exc.text, type=exc.type,
+        message=exc.message, file=frame.file if frame else None,
+        line=frame.line if frame else None, func=frame.func if frame else None,
+        log=path.name, log_line=exc.line, log_path=str(path), traceback=exc.shown,
+        explained_by=tuple(d.rule_id for d in diags if d.rank == exc.rank and not d.notice),
+    )
 
 
 def _first_error(root: Path, logs: Sequence[tuple[Path, str | None, int | None]],
