@@ -1511,7 +1511,7 @@ def test_a_torchrun_log_shows_the_ranks_exception_not_childfailederror(tmp_path,
     exc = last_exception(log)
     assert (exc.text, exc.rank, exc.line, exc.user_frame.line) == ("KeyError: 'input_ids'", 3, 54, 40)
     assert exc.launcher.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
-    assert dict(exc.summary) == {"host": "gpu07", "rank": "3", "exitcode": "1"}
+    assert dict(exc.summary) == {"host": "gpu07", "rank": "3", "local_rank": "3", "exitcode": "1"}
 
 
 def test_torchruns_root_cause_rank_is_shown_first_and_the_others_echo_is_its_consequence(tmp_path):
@@ -1534,6 +1534,20 @@ def test_torchruns_root_cause_rank_is_shown_first_and_the_others_echo_is_its_con
     assert data["first_error"] is None and data["diagnoses"][0]["rule_id"] == "peer-process-exited"
 
 
+@pytest.mark.parametrize("prefix", ["0: ", "[default{}]:"])  # srun --label; torchrun --tee (local ranks)
+def test_the_root_cause_rank_is_found_under_srun_and_tee_prefixes(tmp_path, prefix):
+    log = tmp_path / "slurm-812.out"
+    text = _RANK3_KEYERROR + _RANK0_ECHO + _TORCHRUN_TAIL.format(code=1, rank=3)
+    if "{}" in prefix:
+        text = text.replace("[rank3]: ", prefix.format(3)).replace("[rank0]: ", prefix.format(0))
+    else:
+        text = "".join(prefix + line for line in text.splitlines(keepends=True))
+    log.write_text(text)
+    data = json.loads(_invoke(str(log), "--json").output)
+    assert (data["first_error"]["rank"], data["first_error"]["exception"]) == (3, "KeyError: 'input_ids'")
+    assert data["diagnoses"][0]["consequence"]
+
+
 def test_a_rank_that_exited_without_a_traceback_is_named_from_torchruns_summary(tmp_path):
     log = tmp_path / "train.log"
     log.write_text("epoch 1\nworking\n" + _TORCHRUN_TAIL.format(code=3, rank=2))
@@ -1544,7 +1558,7 @@ def test_a_rank_that_exited_without_a_traceback_is_named_from_torchruns_summary(
            "no Python traceback here" in out
     assert "sys.exit(N)" in out and "ChildFailedError" not in out and "NCCL_DEBUG" not in out
     data = json.loads(_invoke(str(log), "--json").output)
-    assert data["exception"]["summary"] == {"host": "gpu07", "rank": "2", "exitcode": "3"}
+    assert data["exception"]["summary"] == {"host": "gpu07", "rank": "2", "local_rank": "2", "exitcode": "3"}
 
 
 def test_accelerates_calledprocesserror_is_the_launcher_a_scripts_own_is_not(tmp_path):

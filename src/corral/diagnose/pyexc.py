@@ -38,7 +38,7 @@ _KEPT_TRACEBACKS = 16
 #: Files of launchers whose CalledProcessError only relays a child's exit.
 _LAUNCHER_FILE = re.compile(r"accelerate[/\\]commands[/\\]|deepspeed[/\\]launcher[/\\]|torch[/\\]distributed[/\\]")
 # torchrun's summary: "Root Cause (first observed failure):" then "host : n1", "rank : 3 (local_rank: 1)", "exitcode : -9 (pid: 12)"
-_SUMMARY_FIELD = re.compile(r"^(host|rank|exitcode)\s*:\s*(\S+)")
+_SUMMARY_FIELD = re.compile(r"^(host|rank|exitcode)\s*:\s*(\S+)(?:\s*\(local_rank:\s*(\d+)\))?")
 # Library code: installed packages, the standard library, frozen and generated modules.
 _LIBRARY = re.compile(
     r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib[/\\]python\d+(?:\.\d+)?[/\\]|[/\\]Lib[/\\]|^<"
@@ -84,8 +84,10 @@ class PyException:
     frames: tuple[Frame, ...]
     #: The traceback as printed (prefixes kept), from its header to the exception line.
     shown: tuple[str, ...] = ()
-    #: The rank its lines were prefixed with (``[rank3]:``), if any.
+    #: The rank its lines were prefixed with (``[rank3]:``), if any, and the
+    #: local rank (torchrun's ``--tee``: ``[default3]:``).
     rank: int | None = None
+    local_rank: int | None = None
     #: The launcher's exception that followed it (``...ChildFailedError:``), when
     #: this one is the rank's exception found before the launcher's.
     launcher: str = ""
@@ -104,8 +106,20 @@ class PyException:
 
     @property
     def failed_first(self) -> bool:
-        """A rank's exception that the launcher's summary names as the first failure."""
-        return bool(self.launcher) and self.rank is not None and dict(self.summary).get("rank") == str(self.rank)
+        """A rank's exception that the launcher's summary names as the first failure
+        (by its rank, or by its local rank where lines carry only that)."""
+        got = dict(self.summary)
+        if not self.launcher or not got.get("rank", "").isdigit():
+            return False
+        if self.rank is not None:
+            return got["rank"] == str(self.rank)
+        return self.local_rank is not None and got.get("local_rank") == str(self.local_rank)
+
+    @property
+    def summary_rank(self) -> int | None:
+        """The global rank the launcher's summary names."""
+        rank = dict(self.summary).get("rank", "")
+        return int(rank) if rank.isdigit() else None
 
     @property
     def user_frame(self) -> Frame | None:
@@ -156,7 +170,7 @@ def parse_traceback(lines: Iterable[LogLine]) -> PyException | None:
         if m and frames:
             found = PyException(
                 text=text, type=m["type"], message=(m["message"] or "").strip(), line=ln.number,
-                frames=tuple(frames), shown=(*shown, ln.shown), rank=ln.rank,
+                frames=tuple(frames), shown=(*shown, ln.shown), rank=ln.rank, local_rank=ln.local_rank,
             )
         base = None
     return found
@@ -182,8 +196,7 @@ def last_exception(path: str | Path) -> PyException | None:
         return last
     summary = _summary(tail, last.line)
     ranks = [e for e, _ in found[:-1] if not e.is_launcher]
-    rank = dict(summary).get("rank", "")
-    named = [e for e in ranks if rank.isdigit() and e.rank == int(rank)]
+    named = [e for e in ranks if replace(e, launcher=last.text, summary=summary).failed_first]
     if named or ranks:
         return replace((named or ranks)[-1], launcher=last.text, summary=summary)
     return replace(last, summary=summary)
@@ -237,6 +250,8 @@ def _summary(tail: list[tuple[int, str]], after: int) -> tuple[tuple[str, str], 
                 m = _SUMMARY_FIELD.match(ln.text)
                 if m:
                     fields.setdefault(m[1], m[2])
-        if seen and ("=" * 20 in raw or len(fields) == 3):
+                    if m[3]:
+                        fields.setdefault("local_rank", m[3])
+        if seen and ("=" * 20 in raw or len(fields) >= 4):
             break
     return tuple(fields.items()) if seen else ()

@@ -346,18 +346,19 @@ def _file_first_error(path: Path, exc: PyException | None,
     exception of the rank torchrun's summary names as the first failure."""
     if exc is None or not exc.failed_first:
         return None
-    if any(d.symptom and d.rank == exc.rank for d in diags):
+    rank = exc.summary_rank
+    assert rank is not None
+    if any(d.symptom and d.rank in (exc.rank, rank) and d.rank is not None for d in diags):
         # "Connection closed by peer": in a file of several nodes' torchruns,
         # the last summary is that of a node whose ranks only echoed another's
         return None
-    assert exc.rank is not None
     frame = exc.user_frame
     return FirstError(
-        host=dict(exc.summary).get("host"), rank=exc.rank, exception=exc.text, type=exc.type,
+        host=dict(exc.summary).get("host"), rank=rank, exception=exc.text, type=exc.type,
         message=exc.message, file=frame.file if frame else None,
         line=frame.line if frame else None, func=frame.func if frame else None,
         log=path.name, log_line=exc.line, log_path=str(path), traceback=exc.shown,
-        explained_by=tuple(d.rule_id for d in diags if d.rank == exc.rank and not d.notice),
+        explained_by=tuple(d.rule_id for d in diags if d.rank == rank and not d.notice),
     )
 
 
