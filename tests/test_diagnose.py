@@ -1534,6 +1534,14 @@ def test_torchruns_root_cause_rank_is_shown_first_and_the_others_echo_is_its_con
     assert data["first_error"] is None and data["diagnoses"][0]["rule_id"] == "peer-process-exited"
 
 
+def test_the_root_cause_rank_is_found_behind_every_other_ranks_echo(tmp_path):
+    echoes = "".join(_RANK0_ECHO.replace("[rank0]", f"[rank{r}]") for r in range(4, 52))
+    log = tmp_path / "slurm-812.out"
+    log.write_text(_RANK3_KEYERROR + "step 9\n" * 3000 + echoes + _TORCHRUN_TAIL.format(code=1, rank=3))
+    data = json.loads(_invoke(str(log), "--json").output)
+    assert (data["first_error"]["rank"], data["first_error"]["log_line"]) == (3, 4)
+
+
 @pytest.mark.parametrize("prefix", ["0: ", "[default{}]:"])  # srun --label; torchrun --tee (local ranks)
 def test_the_root_cause_rank_is_found_under_srun_and_tee_prefixes(tmp_path, prefix):
     log = tmp_path / "slurm-812.out"

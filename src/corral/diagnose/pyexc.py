@@ -33,8 +33,12 @@ _EXC = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::\s?(?P<message
 _MAX_TB_LINES = 2000
 #: Frames kept of one traceback (the innermost ones).
 _MAX_FRAMES = 64
-#: Tracebacks kept from the log's end: the ranks' come before their launcher's.
-_KEPT_TRACEBACKS = 16
+#: Tracebacks kept from the log's end: the ranks' come before their launcher's
+#: (the one that failed first, then every other rank's echo of it).
+_KEPT_TRACEBACKS = 64
+#: Lines kept of a traceback that another one followed (its exception line is
+#: near its start; only the last one needs the lines after it: the summary).
+_MAX_EARLIER_LINES = 300
 #: Files of launchers whose CalledProcessError only relays a child's exit.
 _LAUNCHER_FILE = re.compile(r"accelerate[/\\]commands[/\\]|deepspeed[/\\]launcher[/\\]|torch[/\\]distributed[/\\]")
 # torchrun's summary: "Root Cause (first observed failure):" then "host : n1", "rank : 3 (local_rank: 1)", "exitcode : -9 (pid: 12)"
@@ -231,6 +235,8 @@ def _tails(path: str | Path) -> list[list[tuple[int, str]]]:
             for a, b in zip(starts, [*starts[1:], len(text)]):
                 number += text.count("\n", counted, a)
                 counted = a
+                if tails:
+                    del tails[-1][_MAX_EARLIER_LINES:]
                 tails.append([])
                 add(tails[-1], number, text[a:b])
     return list(tails)
