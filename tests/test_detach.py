@@ -497,3 +497,45 @@ def test_the_job_document_carries_every_field_of_the_spec_options_and_cluster() 
         assert from_json(cls, json.loads(json.dumps(to_json(obj)))) == obj
     with pytest.raises(ValueError, match="unknown field"):
         from_json(RunOptions, {**to_json(options), "from_the_future": 1})
+
+
+# ---------------------------------------------------------------------------
+# a detached job's logs travel in batches of lines
+
+
+def test_a_nodes_log_lines_go_in_batches_and_come_back_one_by_one(capsys) -> None:
+    from corral.agent import jobs
+    from corral.run.detach import _event, _lines
+
+    lines = [f"step {i}" for i in range(2500)] + ["x" * 70000, "after"]
+    jobs.emit_lines(lines, h="gpu1", r=3)
+    raw = capsys.readouterr().out.splitlines()
+    # 1,024 lines a batch, a line longer than a batch's characters alone
+    assert [len(json.loads(r)["t"]) for r in raw] == [1024, 1024, 452, 1, 1]
+    events = [e for r in raw for e in _lines(_event(r.encode()))]
+    assert [e["t"] for e in events] == lines
+    assert all(e == {"ev": "line", "h": "gpu1", "r": 3, "t": e["t"]} for e in events)
+    jobs.emit_lines([])
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("bad", [
+    {"ev": "lines", "t": "one string"},
+    {"ev": "lines", "t": ["ok", 3]},
+    {"ev": "lines", "t": ["x"] * 5000},
+    {"ev": "lines"},
+])
+def test_a_malformed_batch_from_a_node_is_dropped_whole(bad) -> None:
+    from corral.run.detach import _event
+
+    assert _event(json.dumps(bad).encode()) is None
+
+
+def test_a_batch_is_printed_cleaned_line_by_line_with_its_label(capsys) -> None:
+    from corral.cli.detached import print_lines
+
+    # an OSC string left open (a window title) must not swallow the lines after it
+    print_lines(["step 1 \x1b]0;pwned", "step 2 \x1b[31mred\x1b[0m", "step 3"], "[gpu1/r0] ")
+    assert capsys.readouterr().out == "[gpu1/r0] step 1 \n[gpu1/r0] step 2 \x1b[31mred\x1b[0m\n[gpu1/r0] step 3\n"
+    print_lines(["plain", "lines"])
+    assert capsys.readouterr().out == "plain\nlines\n"

@@ -48,9 +48,29 @@ PKG_HASH = re.compile(r"[0-9a-f]{64}\Z")
 MIN_PYTHON = (3, 10)
 
 
+#: Lines of a log sent as one event (``emit_lines``).
+BATCH_LINES = 1024
+BATCH_CHARS = 64 * 1024
+
+
 def emit(**event) -> None:
     sys.stdout.write(json.dumps(event) + "\n")
     sys.stdout.flush()
+
+
+def emit_lines(lines, **where) -> None:
+    """``lines`` as ``lines`` events of at most BATCH_LINES lines or BATCH_CHARS
+    characters (a longer line alone).  One JSON document and one write per
+    line made `corral logs` of a large log CPU-bound at both ends."""
+    batch, size = [], 0
+    for line in lines:
+        if batch and (len(batch) >= BATCH_LINES or size + len(line) > BATCH_CHARS):
+            emit(ev="lines", t=batch, **where)
+            batch, size = [], 0
+        batch.append(line)
+        size += len(line)
+    if batch:
+        emit(ev="lines", t=batch, **where)
 
 
 def _home() -> str:
@@ -300,15 +320,13 @@ def _follow(jobdir: str, run_id: str, until_ready: bool = False, proc=None, tail
     path = os.path.join(jobdir, "console.log")
     t = _Tail(path, 0 if tail is None else _last_lines_offset(path, tail))
     while True:
-        for line in t.lines():
-            emit(ev="line", t=line)
+        emit_lines(t.lines())
         if until_ready and os.path.exists(os.path.join(jobdir, "ready")):
             emit(ev="ready")
             return 0
         gone = proc.poll() is not None if proc is not None else supervisor_alive(jobdir) is False
         if gone:
-            for line in t.lines(final=True):
-                emit(ev="line", t=line)
+            emit_lines(t.lines(final=True))
             emit(**_end_event(jobdir, run_id))
             return 0
         time.sleep(POLL_S)
@@ -375,13 +393,11 @@ def op_logs(run_id: str, options: str) -> int:
         for host, r, path in _rank_files(rundir, rank, node):
             if path not in tails:
                 tails[path] = _Tail(path, _last_lines_offset(path, tail) if tail is not None else 0)
-            for line in tails[path].lines(final=not follow):
-                emit(ev="line", h=host, r=r, t=line)
+            emit_lines(tails[path].lines(final=not follow), h=host, r=r)
         if not follow or supervisor_alive(jobdir) is False:
             if follow:  # what came between the last look and its end
                 for host, r, path in _rank_files(rundir, rank, node):
-                    for line in tails.setdefault(path, _Tail(path)).lines(final=True):
-                        emit(ev="line", h=host, r=r, t=line)
+                    emit_lines(tails.setdefault(path, _Tail(path)).lines(final=True), h=host, r=r)
                 emit(**_end_event(jobdir, run_id))
             return 0
         time.sleep(POLL_S)
@@ -443,11 +459,9 @@ def op_stop(run_id: str) -> int:
     emit(ev="stopping", pid=sup["pid"])
     t = _Tail(path, offset)
     while supervisor_alive(jobdir):
-        for line in t.lines():
-            emit(ev="line", t=line)
+        emit_lines(t.lines())
         time.sleep(POLL_S)
-    for line in t.lines(final=True):
-        emit(ev="line", t=line)
+    emit_lines(t.lines(final=True))
     emit(**_end_event(jobdir, run_id))
     return 0
 

@@ -9,7 +9,7 @@ import click
 
 from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
-from corral.cli.detached import end_line, find, print_line, unreachable
+from corral.cli.detached import end_line, find, print_lines, unreachable
 from corral.errors import HostError, UsageError
 from corral.run import detach
 
@@ -34,7 +34,7 @@ def attach(cluster_opts: ClusterOptions, tail: int, runs_dir: Path | None, run: 
     d = find(run, cluster_opts, runs_dir)
     code = 0
     try:
-        for ev in detach.node_events(d.cluster, d.host, "attach", d.run_id, str(tail)):
+        for ev in detach.node_events(d.cluster, d.host, "attach", d.run_id, str(tail), batches=True):
             detach.raise_node_error(d.host, ev)
             kind = ev["ev"]
             if kind == "missing":
@@ -42,8 +42,8 @@ def attach(cluster_opts: ClusterOptions, tail: int, runs_dir: Path | None, run: 
                                  hint="`corral ps` lists the jobs on the nodes")
             if kind == "state" and ev.get("alive") is False:
                 ui.notice(f"run {d.run_id} has ended; its last lines:")
-            elif kind == "line":
-                print_line(ev["t"])
+            elif kind == "lines":
+                print_lines(ev["t"])
             elif kind == "end":
                 text, code = end_line(ev, d.run_id)
                 ui.notice(text)

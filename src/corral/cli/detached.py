@@ -10,7 +10,7 @@ from pathlib import Path
 from corral import ui
 from corral.cli.common import ClusterOptions, emit_json
 from corral.errors import EXIT_INTERRUPTED, CorralError, HostError
-from corral.frames import terminal_safe
+from corral.frames import has_control, terminal_safe
 from corral.run import detach
 from corral.run.history import default_root
 from corral.run.options import RunOptions
@@ -108,6 +108,21 @@ class _quiet_errors:
 def print_line(text: str, *, out=None) -> None:
     """A line of a node's console or log: its text is untrusted (controls removed)."""
     (out or sys.stdout).write(terminal_safe(text) + "\n")
+    (out or sys.stdout).flush()
+
+
+def print_lines(lines: list[str], label: str = "", *, out=None) -> None:
+    """A batch of a node's lines (a ``lines`` event), each after ``label``, in
+    one write: untrusted text, cleaned as ``print_line`` cleans it, in one
+    scan of the batch when (as almost always) it has nothing to clean."""
+    if not lines:
+        return
+    text = "\n".join(lines)
+    if has_control(text):  # line by line: an unended OSC string must not swallow the next lines
+        text = "\n".join(terminal_safe(line) for line in lines)
+    if label:
+        text = label + text.replace("\n", "\n" + label)
+    (out or sys.stdout).write(text + "\n")
     (out or sys.stdout).flush()
 
 

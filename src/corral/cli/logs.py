@@ -10,8 +10,9 @@ import click
 
 from corral import ui
 from corral.cli.common import ClusterOptions, cluster_options
-from corral.cli.detached import end_line, find, print_line, unreachable
+from corral.cli.detached import end_line, find, print_line, print_lines, unreachable
 from corral.errors import HostError, UsageError
+from corral.frames import terminal_safe
 from corral.run import detach
 
 
@@ -58,7 +59,7 @@ def logs(cluster_opts: ClusterOptions, rank: int | None, node: str | None, follo
     code = 0
     try:
         files: set[tuple[str, object]] = set()
-        events = detach.node_events(d.cluster, d.host, "logs", d.run_id, json.dumps(opts))
+        events = detach.node_events(d.cluster, d.host, "logs", d.run_id, json.dumps(opts), batches=True)
         for ev in events:
             detach.raise_node_error(d.host, ev)
             kind = ev["ev"]
@@ -70,11 +71,11 @@ def logs(cluster_opts: ClusterOptions, rank: int | None, node: str | None, follo
                 ranks = f"0-{world - 1}" if world > 1 else "0"
                 raise UsageError(f"--rank {rank}: run {d.run_id} has no rank {rank} (its ranks are {ranks})",
                                  hint="give one of those, or --node HOST for one host's ranks")
-            if kind == "line":
+            if kind == "lines":
                 host, r = str(ev.get("h", "?")), ev.get("r")
                 files.add((host, r))
                 label = f"[{host}/r{r}] " if isinstance(r, int) else f"[{host}] "
-                print_line(label + ev["t"] if rank is None else ev["t"])
+                print_lines(ev["t"], terminal_safe(label) if rank is None else "")
             elif kind == "end":
                 text, code = end_line(ev, d.run_id)
                 ui.notice(text)

@@ -78,9 +78,11 @@ def _argv(cluster: Cluster, host: Host, op: str, args: tuple[str, ...]) -> tuple
 
 
 def node_events(cluster: Cluster, host: Host, op: str, *args: str, stdin: bytes | None = None,
-                timeout: float | None = None) -> Iterator[dict]:
+                timeout: float | None = None, batches: bool = False) -> Iterator[dict]:
     """Run one node-side operation on ``host``; yield its events as they come.
-    A node that cannot be reached is a HostError naming it (ssh's reason)."""
+    A node that cannot be reached is a HostError naming it (ssh's reason).
+    A node sends lines in batches (``lines`` events, checked here); with
+    ``batches`` they are yielded as such, else as one ``line`` event each."""
     argv, env = _argv(cluster, host, op, args)
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
@@ -104,7 +106,10 @@ def node_events(cluster: Cluster, host: Host, op: str, *args: str, stdin: bytes 
             ev = _event(raw)
             if ev is not None:
                 got = True
-                yield ev
+                if batches:
+                    yield ev
+                else:
+                    yield from _lines(ev)
             if deadline is not None and time.monotonic() > deadline:
                 break
         rc = proc.wait(timeout=10)
@@ -120,6 +125,10 @@ def node_events(cluster: Cluster, host: Host, op: str, *args: str, stdin: bytes 
                 f.close()
 
 
+#: Lines one ``lines`` event may carry (the node sends at most 1,024).
+MAX_BATCH = 4096
+
+
 def _event(raw: bytes) -> dict | None:
     """One line of a node's answer, if it is a well-formed event."""
     try:
@@ -128,9 +137,24 @@ def _event(raw: bytes) -> dict | None:
         return None
     if not isinstance(ev, dict) or not isinstance(ev.get("ev"), str):
         return None
+    if ev["ev"] == "lines":
+        t = ev.get("t")
+        if not isinstance(t, list) or len(t) > MAX_BATCH or not all(isinstance(x, str) for x in t):
+            return None
+        return ev
     if "t" in ev and not isinstance(ev["t"], str):
         return None
     return ev
+
+
+def _lines(ev: dict) -> Iterator[dict]:
+    """A ``lines`` batch as the ``line`` events its readers take, one per line."""
+    if ev["ev"] != "lines":
+        yield ev
+        return
+    where = {k: v for k, v in ev.items() if k not in ("ev", "t")}
+    for text in ev["t"]:
+        yield {"ev": "line", **where, "t": text}
 
 
 def node_call(cluster: Cluster, host: Host, op: str, *args: str, stdin: bytes | None = None,
