@@ -38,9 +38,10 @@ from corral.diagnose.flightrec import read_dir as read_flightrec
 from corral.diagnose.hang import Hang, parse_stacks_file, read_hang
 from corral.diagnose.logtext import LogLine, iter_lines, open_log
 from corral.diagnose.lost import lost_node
-from corral.diagnose.matcher import Diagnosis, MatchedLine, Matcher
+from corral.diagnose.matcher import Diagnosis, Matcher
 from corral.diagnose.pyexc import Frame, PyException, basename, last_exception
 from corral.diagnose.rules import Rule, load_rules
+from corral.diagnose.runcontext import file_on_some_nodes_only, own_rendezvous, rank_hosts
 from corral.diagnose.signs import failure_lines_in_file
 from corral.errors import UsageError
 
@@ -212,18 +213,18 @@ def diagnose_run(path: str | Path, *, facts: AllFacts | None = None,
         # Ctrl-C or SIGTERM stopped it: a peer "going away" is that stop.
         diags = [replace(d, consequence=True) if d.symptom else d for d in diags]
         diags.sort(key=lambda d: (d.notice, d.consequence))
-    diags = [_own_rendezvous(d, record) for d in diags]
+    diags = [own_rendezvous(d, record) for d in diags]
     if failure is not None and failure.kind == "lost" and failure.host:
         # No rank failed: the node went silent, and what the others show is its teardown.
         diags = [replace(d, consequence=True) if d.symptom else d for d in diags]
         diags.sort(key=lambda d: (d.notice, d.consequence))
         diags.insert(0, lost_node(failure.host, failure.reason, root, logs))
     first_error = _first_error(root, logs, per_file, failure)
-    local = _file_on_some_nodes_only(root, logs, record, first_error)
+    local = file_on_some_nodes_only(root, logs, record, first_error)
     if local is not None and first_error is not None:
         diags.insert(0, local)
         first_error = replace(first_error, explained_by=(local.rule_id, *first_error.explained_by))
-    hang = read_hang(root, record, _rank_hosts(record)) if record else None
+    hang = read_hang(root, record, rank_hosts(record)) if record else None
     world = record.get("world_size")
     flight = read_flightrec(root, world if isinstance(world, int) else None)
     stacks = None
@@ -326,18 +327,6 @@ def _failure(record: Mapping[str, Any]) -> Failure | None:
                          if isinstance(e, dict) and isinstance(e.get("host"), str)
                          and isinstance(e.get("rank"), int)),
     )
-
-
-def _rank_hosts(record: Mapping[str, Any]) -> dict[int, str]:
-    """Global rank -> host name, from run.json's hosts."""
-    out: dict[int, str] = {}
-    hosts = record.get("hosts")
-    for h in hosts if isinstance(hosts, list) else ():
-        if isinstance(h, dict) and isinstance(h.get("name"), str) and isinstance(h.get("ranks"), list):
-            for r in h["ranks"]:
-                if isinstance(r, int):
-                    out[r] = h["name"]
-    return out
 
 
 def _file_first_error(path: Path, exc: PyException | None,
@@ -517,106 +506,3 @@ def _merge(per_file: list[list[Diagnosis]], failure: Failure | None,
     merged.sort(key=lambda d: (d.notice, d.consequence, not _at_failure(d, failure), -d.confidence,
                                order.get(d.rule_id, 0)))
     return merged
-
-
-_MISSING_FILE = re.compile(r"^(?:FileNotFoundError|OSError|IOError): \[Errno 2\] No such file or directory: '(?P<path>[^']+)'")
-#: Id of the run-directory check below (it compares nodes, so it is no rule in rules.toml).
-NODE_LOCAL_FILE = "file-on-some-nodes-only"
-
-
-def _file_on_some_nodes_only(root: Path, logs: Sequence[tuple[Path, str | None, int | None]],
-                             record: Mapping[str, Any], first_error: FirstError | None) -> Diagnosis | None:
-    """The first failing rank could not open a file that the ranks of another
-    node did not miss: one node wrote it (rank 0's torch.save before a barrier)
-    or holds it, and the others cannot see it, because each node has its own disk.
-
-    Said only when run.json places the ranks on several hosts, every rank log
-    that fails on the path is on hosts other than at least one host whose ranks
-    all left logs without that error.
-    """
-    if first_error is None or first_error.kind != "exception":
-        return None
-    m = _MISSING_FILE.match(first_error.exception)
-    if m is None:
-        return None
-    path = m["path"]
-    rank_hosts = _rank_hosts(record)
-    if len(set(rank_hosts.values())) < 2:
-        return None
-    failed: dict[str, list[tuple[str, int, int, str]]] = {}
-    clean: set[str] = set()
-    for file, host, rank in logs:
-        if rank is None or host is None:
-            continue
-        try:
-            exc = last_exception(file)
-        except OSError:
-            return None
-        hit = exc is not None and (mm := _MISSING_FILE.match(exc.text)) is not None and mm["path"] == path
-        if hit:
-            failed.setdefault(host, []).append((str(file.relative_to(root)), rank, exc.line, exc.text))
-        else:
-            clean.add(host)
-    ok = sorted(clean - set(failed))
-    if not failed or not ok:
-        return None
-    missing = sorted(failed)
-    lines = tuple(MatchedLine(line=line, text=text, origin=origin, host=host, rank=rank)
-                  for host in missing for origin, rank, line, text in failed[host][:2])[:_MAX_LINES]
-    on_missing, on_ok = ", ".join(missing), ", ".join(ok)
-    relative = "" if path.startswith("/") else " (a relative path, taken from each node's working directory)"
-    return Diagnosis(
-        rule_id=NODE_LOCAL_FILE,
-        title=f"'{path}' is missing on {on_missing} but not on {on_ok}: the nodes do not share that directory",
-        category="checkpoint", category_label="checkpointing",
-        cause=(f"The ranks on {on_missing} could not open '{path}'{relative}, while the ranks on {on_ok} "
-               "did not fail on it. Each node has its own disk there: a file one rank writes (rank 0's "
-               "torch.save before a barrier, a checkpoint, a prepared dataset or cache) exists only on the "
-               "node that wrote it, and a barrier does not copy it. (If the ranks on "
-               f"{on_ok} were stopped before they reached that line, check the path on every node.)"),
-        fix=(
-            f"Put '{path}' on storage every node mounts (NFS, Lustre, a bucket through fsspec) and use that path on every rank.",
-            "Or write it on every node: let each node's local rank 0 write it (`if int(os.environ['LOCAL_RANK']) == 0:`) before the barrier, instead of global rank 0 only.",
-            "Or do not go through a file: rank 0 sends the object to the others, `obj = [state if dist.get_rank() == 0 else None]; dist.broadcast_object_list(obj, src=0)` (or dist.broadcast for tensors after building the model on every rank).",
-            f"For inputs prepared before the run, copy them to every node: `corral sync` of the project directory, or rsync to {on_missing}.",
-        ),
-        confidence=0.85, lines=lines, host=first_error.host, rank=first_error.rank,
-        hosts=tuple(missing), ranks=tuple(sorted(r for h in missing for _, r, _, _ in failed[h])),
-        origin=first_error.log, captures={"path": path},
-    )
-
-
-_ENDPOINT = re.compile(r"^\(?\[?(?P<host>[^\s,()\[\]]+?)\]?(?:, |:)(?P<port>\d+)\)?$")
-_LOOPBACK = re.compile(r"^(?:localhost|127\.\d+\.\d+\.\d+|::1|0\.0\.0\.0)$", re.IGNORECASE)
-
-
-def _own_rendezvous(diag: Diagnosis, record: Mapping[str, Any]) -> Diagnosis:
-    """A rank of a multi-node corral run that cannot reach a store on a loopback
-    address was not pointed there by corral:
-    the script sets MASTER_ADDR / MASTER_PORT itself (the PyTorch DDP tutorial's
-    ``setup()``), so every node looks for the store on itself."""
-    if diag.rule_id != "store-unreachable" or "endpoint" not in diag.captures:
-        return diag
-    m = _ENDPOINT.match(diag.captures["endpoint"].strip())
-    addr, port = record.get("master_addr"), record.get("master_port")
-    if m is None or not isinstance(addr, str) or not isinstance(port, int):
-        return diag
-    if len(set(_rank_hosts(record).values())) < 2 or _LOOPBACK.match(addr):
-        return diag
-    if not _LOOPBACK.match(m["host"]):  # another host or port may be torchrun's own choice
-        return diag
-    step = (f"The ranks connect to {m['host']}:{m['port']}, but corral started the store at {addr}:{port} "
-            "and passed it as MASTER_ADDR / MASTER_PORT: the script overrides them (e.g. "
-            f"os.environ['MASTER_ADDR'] = '{m['host']}' / os.environ['MASTER_PORT'] = '{m['port']}', "
-            "or init_method='tcp://...'). Remove those lines and call init_process_group(backend) "
-            "without init_method; RANK, WORLD_SIZE and LOCAL_RANK come from the environment too.")
-    return replace(
-        diag,
-        title=(f"The script sets its own MASTER_ADDR/MASTER_PORT ({m['host']}:{m['port']}), "
-               f"not corral's rendezvous store ({addr}:{port})"),
-        cause=("Every rank of this multi-node run tried to reach a store at an address the script chose, "
-               f"not at {addr}:{port} where corral's launcher started it. "
-               + "On a loopback address each node looks for the store on itself, where nothing listens "
-               "(on one machine the same code works, which is why tutorials write it). " + diag.cause),
-        fix=(step, *diag.fix),
-    )
