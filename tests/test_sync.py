@@ -773,7 +773,7 @@ def test_a_probe_is_never_written_through_a_link(tmp_path: Path) -> None:
 
 
 def test_shared_groups_join_what_nodes_saw_and_ignore_what_no_node_of_this_sync_could_be() -> None:
-    from corral.sync.engine import _seen, share_groups
+    from corral.sync.shared import _seen, share_groups
 
     # 1 saw 0, 3 saw 2, 4 saw 3: {0,1} {2,3,4}; 5 alone
     assert share_groups(6, [[], [0], [], [2], [3], []]) == [[0, 1], [2, 3, 4], [5]]

@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from corral.errors import HostError, PreflightError
-from corral.hostrange import fold
 from corral.model import Cluster, Host
 from corral.sshsetup.remote import call_node, gather_hosts, remote_command, ssh_argv
-from corral.sync import filelist, nodetree, pipeline, rsync
+from corral.sync import filelist, nodetree, pipeline, rsync, shared
 from corral.sync.filelist import Unit
 
 log = logging.getLogger(__name__)
@@ -165,45 +164,6 @@ def hinted(problem: HostError) -> HostError:
     prefix = f"{problem.host}: "
     text = problem.message[len(prefix):] if problem.message.startswith(prefix) else problem.message
     return HostError(problem.host, text, hint=hint.format(host=problem.host), kind=problem.kind)
-
-
-def _drop_unit(plan: dict[str, Any], unit: int, units: list[Unit], heads: list[dict]) -> None:
-    """Nothing of ``unit`` is written to this node (another node shares its directory)."""
-    plan["copy_pairs"] = [(j, p) for j, p in plan["copy_pairs"] if j != unit]
-    plan["delete_pairs"] = [(j, p) for j, p in plan["delete_pairs"] if j != unit]
-    plan["copy"] = [f"{units[j].dest}/{p}" for j, p in plan["copy_pairs"]]
-    plan["delete"] = [f"{units[j].dest}/{p}" for j, p in plan["delete_pairs"]]
-    plan["bytes"] = sum(heads[j]["entries"][p][2] for j, p in plan["copy_pairs"])
-
-
-def _seen(answer: Any, unit: int, count: int) -> list[int]:
-    """The peers a node says it saw for ``unit``: untrusted, so only indices
-    of this sync's nodes, each at most once."""
-    if not isinstance(answer, list) or unit >= len(answer) or not isinstance(answer[unit], list):
-        return []
-    return sorted({j for j in answer[unit][:count] if type(j) is int and 0 <= j < count})
-
-
-def share_groups(count: int, seen: list[list[int]]) -> list[list[int]]:
-    """Nodes ``0..count-1`` joined wherever one saw another's probe; each group
-    sorted, singles included, in order of their first member."""
-    parent = list(range(count))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for i, peers in enumerate(seen):
-        for j in peers:
-            a, b = root(i), root(j)
-            if a != b:
-                parent[max(a, b)] = min(a, b)
-    groups: dict[int, list[int]] = {}
-    for i in range(count):
-        groups.setdefault(root(i), []).append(i)
-    return sorted(groups.values())
 
 
 def combined(hashes: list[str]) -> str:
@@ -466,14 +426,9 @@ class Syncer:
     ) -> list[Host]:
         """The hosts to write to: one per directory several of ``hosts`` share.
 
-        Several rsyncs into one NFS directory race (rsync's "symlink ...
-        failed: File exists", exit 23) and send the tree once per node to
-        the same file server.  Each node creates a probe file named for this
-        sync and its index and looks up the others' (``nodedest.share_probe``);
-        nodes that see each other's probes share that destination.  The
-        other members' plans for it are dropped here, and the verify step
-        still describes the directory from every node, so a node wrongly
-        grouped (a lying answer) is named, not silently left out of date."""
+        Each node probes (``nodedest.share_probe``); ``shared.assign`` groups
+        the answers and drops the other members' plans.  The probes are
+        removed while the files travel."""
         token = os.urandom(8).hex()
         index = {h.name: i for i, h in enumerate(hosts)}
 
@@ -487,19 +442,8 @@ class Syncer:
             h, "share_unprobe", {"roots": roots(h), "token": token, "index": index[h.name]})))
         if problems:
             raise PreflightError([hinted(p) for p in problems], what="sync")
-        for i, unit in enumerate(units):
-            groups = share_groups(
-                len(hosts), [_seen(answers.get(h.name), i, len(hosts)) for h in hosts])
-            for group in groups:
-                first = hosts[group[0]]
-                others = [hosts[j] for j in group[1:]]
-                for h in others:
-                    _drop_unit(plans[h.name], i, units, heads)
-                    self._shared.setdefault(h.name, {})[unit.dest] = first.name
-                if others:
-                    self._note(f"{fold([h.name for h in others])}: {unit.dest} is the same directory "
-                               f"as on {first.name} (a shared filesystem): written once, from "
-                               f"{first.name}, and verified from each")
+        for note in shared.assign([h.name for h in hosts], units, heads, plans, answers, self._shared):
+            self._note(note)
         return [h for h in hosts if plans[h.name]["copy_pairs"] or plans[h.name]["delete_pairs"]]
 
     # -- transfer ----------------------------------------------------------------
