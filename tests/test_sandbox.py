@@ -881,3 +881,23 @@ def test_a_large_sandbox_raises_the_shared_arp_table_limit_and_a_small_one_leave
     assert (tmp_path / "gc_thresh3").read_text() == (tmp_path / "gc_thresh2").read_text() == "66048\n"
     assert netns.ensure_neighbour_table(32, tmp_path) is None  # only ever raised
     assert (tmp_path / "gc_thresh3").read_text() == "66048\n"
+
+
+@pytest.mark.sandbox
+def test_up_with_mesh_lets_every_node_log_in_to_every_other(own_sandbox) -> None:
+    sb = own_sandbox("m")
+    argv = [sys.executable, "-m", "corral", "sandbox", "up", "3", "--mesh", "--json", "--name", sb.name,
+            "--prefix", f"{sb.name}n", "--state-dir", str(sb.state_dir)]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["mesh"] == 3
+    for a in sb.nodes:
+        for b in sb.nodes:
+            got = sb.exec(a, ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", b, "hostname"], timeout=30)
+            assert (got.returncode, got.stdout.strip()) == (0, b), (a, b, got.stderr)
+    # without --mesh (and on a fresh sandbox) a node cannot log in to another
+    other = own_sandbox("p")
+    other.up(2)
+    got = other.exec(other.nodes[0], ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", other.nodes[1],
+                                      "hostname"], timeout=30)
+    assert got.returncode == 255

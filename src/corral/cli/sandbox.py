@@ -78,6 +78,10 @@ def sandbox() -> None:
               help="Let USER (not root) use the sandbox: read its files, use its head key, see its "
                    "status. Its state then lives in /var/lib/corral/sandbox/NAME. With --with-keys "
                    "USER logs in to the nodes as root: give it only to a user you would give root.")
+@click.option("--mesh", is_flag=True,
+              help="Also let every node log in to every other (one node key authorized everywhere, every "
+                   "node's host key known), as a shared home gives a real cluster: what `corral exec "
+                   "--tree` relays and sync's node-to-node chain use.")
 @click.option("--slurm", is_flag=True, default=None,
               help="Also run a real Slurm cluster: munge and slurmctld on this machine, one slurmd per "
                    "node (configless). The Slurm tools reach it with SLURM_CONF=STATE_DIR/slurm/slurm.conf "
@@ -87,8 +91,8 @@ def sandbox() -> None:
 def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | None,
        password_auth: bool | None, password: str | None, extra_nic: tuple[str, ...],
        slots: int | None, prefix: str | None,
-       subnet: str | None, share: tuple[str, ...], for_user: str | None, slurm: bool | None, name: str,
-       state_dir: str | None, as_json: bool) -> None:
+       subnet: str | None, share: tuple[str, ...], for_user: str | None, mesh: bool, slurm: bool | None,
+       name: str, state_dir: str | None, as_json: bool) -> None:
     """Start a sandbox of N nodes; idempotent.
 
     On a running sandbox, `up` (N and flags may be left out) repairs it:
@@ -99,10 +103,18 @@ def up(n: int | None, rate: str | None, ssh_port: int | None, with_keys: bool | 
     status = sb.up(n, rate=rate, ssh_port=ssh_port, with_keys=with_keys, password_auth=password_auth,
                    password=password, extra_nic=extra_nic or None, slots=slots, subnet=subnet,
                    share=share or None, for_user=for_user, slurm=slurm)
+    meshed = None
+    if mesh:
+        from corral.sandbox.mesh import mesh as make_mesh
+
+        meshed = make_mesh(sb)
     if as_json:
-        _print_json("sandbox.status", status.to_dict())
+        _print_json("sandbox.status", {**status.to_dict(), "mesh": meshed})
     else:
         _render(status, next_steps=True)
+        if meshed:
+            console().print(f"[green]mesh:[/] every one of the {meshed} nodes logs in to every other "
+                               "(one node key in each node's ~/.ssh)")
 
 
 @sandbox.command()
