@@ -1032,6 +1032,26 @@ def test_two_jobs_on_gpu_subsets_of_the_same_nodes_and_ctrl_c_of_one(sandbox, wo
         assert all(n >= 2 for n in alive.values()), f"job a lost processes: {alive}"
         assert a.poll() is None
 
+        # a job there whose rank is killed is restarted on every node (--max-restarts): a is not touched
+        write(workdir / "restarted_job.py", """
+            import os, signal, torch.distributed as dist
+            dist.init_process_group("gloo")
+            dist.barrier()
+            if dist.get_rank() == 5 and os.environ.get("CORRAL_ATTEMPT") == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.barrier()
+            print("d done", dist.get_rank(), os.environ.get("CORRAL_ATTEMPT"), flush=True)
+        """)
+        d = corral(sandbox, ["--gpus", "2,3", "--max-restarts", "1", "restarted_job.py"], workdir, timeout=180)
+        assert d.returncode == 0, d.stderr[-3000:]
+        assert re.search(r"succeeded in .* after 1 restart\(s\) \(attempt 1: rank 5 on \S+ killed by SIGKILL\)",
+                         d.stderr), d.stderr[-3000:]
+        assert sorted(re.findall(r"d done (\d) 2", d.stdout)) == [str(r) for r in range(8)], d.stdout[-3000:]
+        assert not any(_job_procs(sandbox, "restarted_job.py").values()), "job d left processes"
+        alive = _job_procs(sandbox, "a.py")
+        assert all(n >= 2 for n in alive.values()), f"job a lost processes in d's restart: {alive}"
+        assert a.poll() is None
+
         (workdir / "release").touch()
         a.wait(timeout=60)
         assert a.returncode == 0, a.stderr.read()[-3000:]
