@@ -218,6 +218,9 @@ class Syncer:
             # asyncio.run waits for it before corral exits; it stops at its
             # next chunk instead of at the end of a large tree.
             self._stop.set()
+            if self._unprobe is not None and not self._unprobe.done():
+                # a failed transfer: the nodes' probe files still go (2 s at most)
+                await asyncio.wait([self._unprobe], timeout=2.0)
             for task in (self._probe, self._unprobe):
                 if task is not None and not task.done():
                     task.cancel()
