@@ -110,14 +110,8 @@ class PyException:
 
     @property
     def failed_first(self) -> bool:
-        """A rank's exception that the launcher's summary names as the first failure
-        (by its rank, or by its local rank where lines carry only that)."""
-        got = dict(self.summary)
-        if not self.launcher or not got.get("rank", "").isdigit():
-            return False
-        if self.rank is not None:
-            return got["rank"] == str(self.rank)
-        return self.local_rank is not None and got.get("local_rank") == str(self.local_rank)
+        """A rank's exception that the launcher's summary names as the first failure."""
+        return bool(self.launcher) and _named_by(self, self.summary)
 
     @property
     def summary_rank(self) -> int | None:
@@ -200,10 +194,21 @@ def last_exception(path: str | Path) -> PyException | None:
         return last
     summary = _summary(tail, last.line)
     ranks = [e for e, _ in found[:-1] if not e.is_launcher]
-    named = [e for e in ranks if replace(e, launcher=last.text, summary=summary).failed_first]
+    named = [e for e in ranks if _named_by(e, summary)]
     if named or ranks:
         return replace((named or ranks)[-1], launcher=last.text, summary=summary)
     return replace(last, summary=summary)
+
+
+def _named_by(exc: PyException, summary: tuple[tuple[str, str], ...]) -> bool:
+    """Whether torchrun's summary names the rank of ``exc`` as the first failure
+    (by its rank, or by its local rank where lines carry only that)."""
+    got = dict(summary)
+    if not got.get("rank", "").isdigit():
+        return False
+    if exc.rank is not None:
+        return got["rank"] == str(exc.rank)
+    return exc.local_rank is not None and got.get("local_rank") == str(exc.local_rank)
 
 
 def _tails(path: str | Path) -> list[list[tuple[int, str]]]:

@@ -294,51 +294,43 @@ def share_probe(roots: list, token: str, index: int, count: int) -> list:
     listing could be served from a stale cache.  A root that cannot be
     probed (read-only, a link below) answers None: it is treated as this
     node's own, and ``status`` or the transfer names the real problem."""
-    out = []
-    for root in roots:
-        root = os.path.expanduser(root)
-        try:
-            fd = open_dir(root, [])
-        except OSError:
-            out.append(None)
-            continue
-        try:
-            _remove_stale(fd, token)
-            try:
-                os.close(os.open(_probe_name(token, index),
-                                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                 0o600, dir_fd=fd))
-            except OSError:
-                out.append(None)
-                continue
-            seen = []
-            for j in range(count):
-                if j == index:
-                    continue
-                try:
-                    os.stat(_probe_name(token, j), dir_fd=fd, follow_symlinks=False)
-                except OSError:
-                    continue
-                seen.append(j)
-            out.append(seen)
-        finally:
-            os.close(fd)
-    return out
+    return [_at_root(root, lambda fd: _probe(fd, token, index, count)) for root in roots]
 
 
 def share_unprobe(roots: list, token: str, index: int) -> None:
     """Remove this node's probe files of ``token`` (where they still are)."""
     for root in roots:
-        try:
-            fd = open_dir(os.path.expanduser(root), [])
-        except OSError:
-            continue
-        try:
-            os.unlink(_probe_name(token, index), dir_fd=fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        _at_root(root, lambda fd: os.unlink(_probe_name(token, index), dir_fd=fd))
+
+
+def _at_root(root: str, fn):
+    """``fn(fd)`` of the destination root (``~`` is this node's home); None when
+    the root cannot be opened or ``fn`` fails with an OSError."""
+    try:
+        fd = open_dir(os.path.expanduser(root), [])
+    except OSError:
+        return None
+    try:
+        return fn(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _probe(fd: int, token: str, index: int, count: int) -> list:
+    _remove_stale(fd, token)
+    os.close(os.open(_probe_name(token, index),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd))
+    return [j for j in range(count) if j != index and _exists(fd, _probe_name(token, j))]
+
+
+def _exists(fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def _remove_stale(fd: int, token: str) -> None:
