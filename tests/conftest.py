@@ -6,7 +6,8 @@ a fresh temporary directory, run directories go to the test's own
 torchrun's and Slurm's) are stripped, so a test never inherits a rendezvous
 address or an NCCL setting from the shell it was started in.  Tests not
 marked ``gpu`` see no GPU (``CUDA_VISIBLE_DEVICES=""``): they test the CPU
-paths the same way on a GPU machine as in CI.
+paths the same way on a GPU machine as in CI.  ``OMP_NUM_THREADS=1``: the
+sandbox's nodes share the head's cores (see the fixture).
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     # argument would explain a planted failure instead of the user's own.
     # (A test of the ./runs default deletes it.)
     monkeypatch.setenv("CORRAL_RUNS_DIR", str(tmp_path / "runs"))
+    # One OpenMP thread per process (corral forwards it to every node, as a
+    # user's own setting).  The sandbox's nodes share the head's cores, so a
+    # rank alone on its "node" would size its pool to all of them: three such
+    # ranks on 2 cores spend most of their time in OpenMP's spin-wait (a
+    # 3-node recipe launch took 22 s, 6 s with one thread).  It also fixes
+    # the thread count a tensor sum is split by: a run compared bit for bit
+    # with another must not depend on how many CPUs the machine gave a
+    # process at that moment (a recipe's exact-resume test failed in CI so).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     if request.node.get_closest_marker("gpu") is None:
         # Tests not marked `gpu` test the CPU paths (gloo, 2 processes), on a
         # GPU machine too: a 1-GPU machine would otherwise run their 2 ranks

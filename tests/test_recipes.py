@@ -97,6 +97,26 @@ def test_a_missing_data_set_is_named_with_the_fix(tmp_path: Path) -> None:
     assert "Traceback" not in res.stderr
 
 
+def test_a_resume_with_another_thread_count_says_it_is_not_bit_exact(tmp_path: Path) -> None:
+    """On CPUs the thread count splits every sum: the checkpoint records it."""
+    data = prepare(tmp_path)
+
+    def run(threads: str, *extra: str) -> subprocess.CompletedProcess:
+        res = subprocess.run([sys.executable, str(GPT / "train_gpt.py"), "--data", str(data),
+                              "--out", str(tmp_path / "out"), *TINY, *extra],
+                             env=dict(os.environ, OMP_NUM_THREADS=threads), capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        return res
+
+    run("1", "--stop-at", "2")
+    same = run("1", "--resume", "--stop-at", "3")
+    assert "resumed at step 2" in same.stdout and "CPU threads" not in same.stdout
+    other = run("2", "--resume")
+    assert ("resume: the checkpoint was written with 1 CPU threads per rank, this run has 2" in other.stdout
+            and "not bit for bit" in other.stdout), other.stdout
+
+
 @pytest.mark.sandbox
 @pytest.mark.timeout(900)
 def test_gpt_recipe_learns_resumes_exactly_and_saves_a_plain_model(three: Path, workdir: Path) -> None:

@@ -22,7 +22,9 @@ What it does right, each a trap that costs a day on a cluster:
 - resume is exact: model, optimizer, step (the learning rate is a pure
   function of the step), the data position (batches are drawn from a
   generator seeded by seed, rank and step) and every rank's RNG state
-  (gathered to rank 0 at save, handed back to each rank at resume);
+  (gathered to rank 0 at save, handed back to each rank at resume); bit for
+  bit on the same world size and hardware, and on CPUs the same number of
+  threads per rank (``OMP_NUM_THREADS``; a different count is said at resume);
 - rank 0 reads the checkpoint and broadcasts it: nodes with local disks only
   work, as long as the first node is the same one (it is, under a launcher
   that keeps the host order: corral, torchrun with a fixed rendezvous host);
@@ -318,7 +320,8 @@ def save_checkpoint(d: Dist, raw: GPT, opt: torch.optim.Optimizer, step: int, ar
     rngs = gather_to_main(d, rng_state())  # every rank takes part
     if d.main:
         save_atomic({"model": raw.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                     "config": asdict(raw.config), "rng": rngs, "world": d.world, "args": vars(args)},
+                     "config": asdict(raw.config), "rng": rngs, "world": d.world, "args": vars(args),
+                     "threads": torch.get_num_threads()},
                     os.path.join(args.out, "ckpt.pt"))
     if d.world > 1:
         dist.barrier()
@@ -343,6 +346,13 @@ def load_checkpoint(d: Dist, raw: GPT, opt: torch.optim.Optimizer, args) -> int:
                "the weights and optimizer carry over, the RNG streams and data positions start anew")
     else:
         set_rng_state(ckpt["rng"][d.rank])
+    threads = ckpt.get("threads")
+    if d.device.type == "cpu" and threads not in (None, torch.get_num_threads()):
+        # A CPU sum is split across the intra-op threads: another count adds
+        # the same numbers in another order.
+        say(d, f"resume: the checkpoint was written with {threads} CPU threads per rank, this run has "
+               f"{torch.get_num_threads()}: it continues correctly, but not bit for bit as an uninterrupted "
+               "run would (set OMP_NUM_THREADS to the same value for both)")
     raw.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optimizer"])
     return ckpt["step"]
