@@ -61,8 +61,8 @@ def isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     # One OpenMP thread per process (corral forwards it to every node, as a
     # user's own setting).  The sandbox's nodes share the head's cores, so a
     # rank alone on its "node" would size its pool to all of them: three such
-    # ranks on 2 cores spend most of their time in OpenMP's spin-wait (a
-    # 3-node recipe launch took 22 s, 6 s with one thread).  It also fixes
+    # ranks on 2 cores spend half their time in OpenMP's spin-wait (a 3-node
+    # recipe launch took 17-20 s, 7-10 s with one thread).  It also fixes
     # the thread count a tensor sum is split by: a run compared bit for bit
     # with another must not depend on how many CPUs the machine gave a
     # process at that moment (a recipe's exact-resume test failed in CI so).
