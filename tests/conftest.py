@@ -96,6 +96,19 @@ def torch_extensions(request: pytest.FixtureRequest) -> Path:
     return path
 
 
+def ninja_path(path: str | None = None) -> str:
+    """``path`` (default: this process's PATH) with the venv's bin directory first.
+
+    torch JIT-builds DeepSpeed's CPU op with whichever ``ninja`` is on PATH.
+    Under ``corral run`` that is the venv's (pip's ninja 1.13: the agent puts
+    the interpreter's directory first, as an activated venv does); a launcher
+    started without corral found the system's (1.11), and the two keep build
+    logs in different formats: each switch rebuilt the op (~30 s) in the
+    shared cache.  DeepSpeed's tests started without corral use this PATH."""
+    bindir = str(Path(sys.executable).parent)
+    return bindir + os.pathsep + (path if path is not None else os.environ.get("PATH", os.defpath))
+
+
 @pytest.fixture
 def python_exe() -> str:
     """The interpreter running the tests (has torch installed for run tests)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import ninja_path
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_DDP = REPO / "examples" / "train_ddp.py"
@@ -243,8 +244,10 @@ def test_deepspeed_example_under_its_per_node_launcher(tmp_path: Path, torch_ext
         str(LAUNCHERS / "ds_config_zero2.json"),
     ]
     # On CPU DeepSpeed JIT-compiles a shared-memory comm op (~1 min) into TORCH_EXTENSIONS_DIR,
-    # or into $HOME/.cache, which is a fresh directory per test: keep it in pytest's cache.
-    res = run(argv, tmp_path, env={"TORCH_EXTENSIONS_DIR": str(torch_extensions)}, timeout=540)
+    # or into $HOME/.cache, which is a fresh directory per test: keep it in pytest's cache,
+    # built by the ninja every such test uses (conftest.ninja_path).
+    res = run(argv, tmp_path, env={"TORCH_EXTENSIONS_DIR": str(torch_extensions), "PATH": ninja_path()},
+              timeout=540)
     assert_learned(res)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import PEAK_RSS_KIB, RESET_PEAK_RSS
+from conftest import PEAK_RSS_KIB, RESET_PEAK_RSS, ninja_path
 from typing_extensions import Self
 
 from corral.cli import cli
@@ -770,7 +770,9 @@ def test_root_setup_with_etc_hosts_then_deepspeed_pdsh_runner(pw_sandbox, torch_
         # DeepSpeed's runner exports ./.deepspeed_env to every node: its CPU comm op is
         # built once, in the checkout's cache (visible on every node), not in the
         # machine's ~/.cache, where a build killed half-way leaves a lock for ever.
-        (d / ".deepspeed_env").write_text(f"TORCH_EXTENSIONS_DIR={torch_extensions}\n")
+        # PATH: the venv's, as an activated one would be (conftest.ninja_path).
+        (d / ".deepspeed_env").write_text(f"TORCH_EXTENSIONS_DIR={torch_extensions}\n"
+                                          f"PATH={ninja_path('/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin')}\n")
     ds = str(Path(sys.executable).with_name("deepspeed"))
     run = pw_sandbox.exec(
         pw_sandbox.nodes[0],
