@@ -102,9 +102,9 @@ def ninja_path(path: str | None = None) -> str:
     torch JIT-builds DeepSpeed's CPU op with whichever ``ninja`` is on PATH.
     Under ``corral run`` that is the venv's (pip's ninja 1.13: the agent puts
     the interpreter's directory first, as an activated venv does); a launcher
-    started without corral found the system's (1.11), and the two keep build
-    logs in different formats: each switch rebuilt the op (~30 s) in the
-    shared cache.  DeepSpeed's tests started without corral use this PATH."""
+    started without corral found the system's (1.11).  The two hash a
+    command differently in the shared cache's build log, so each saw the
+    other's entries as changed commands and rebuilt the op (~30 s).  DeepSpeed's tests started without corral use this PATH."""
     bindir = str(Path(sys.executable).parent)
     return bindir + os.pathsep + (path if path is not None else os.environ.get("PATH", os.defpath))
 
