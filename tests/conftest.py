@@ -104,7 +104,8 @@ def ninja_path(path: str | None = None) -> str:
     the interpreter's directory first, as an activated venv does); a launcher
     started without corral found the system's (1.11).  The two hash a
     command differently in the shared cache's build log, so each saw the
-    other's entries as changed commands and rebuilt the op (~30 s).  DeepSpeed's tests started without corral use this PATH."""
+    other's entries as changed commands and rebuilt the op (~30 s).
+    DeepSpeed's tests started without corral use this PATH."""
     bindir = str(Path(sys.executable).parent)
     return bindir + os.pathsep + (path if path is not None else os.environ.get("PATH", os.defpath))
 

@@ -258,7 +258,7 @@ def test_smoke_all_reduce_needs_no_numpy_on_the_node(tmp_path: Path) -> None:
     (hidden / "__init__.py").write_text("raise ModuleNotFoundError('numpy is not installed on this node')\n")
     workload = Path(__file__).resolve().parents[1] / "src" / "corral" / "doctor" / "workloads" / "smoke_allreduce.py"
     env = {**os.environ, "PYTHONPATH": str(hidden.parent), "CORRAL_HOSTS": "here", "CORRAL_NODE_RANK": "0",
-           "CORRAL_NODE_IPS": "127.0.0.1", "CORRAL_SMOKE_BACKEND": "gloo", "OMP_NUM_THREADS": "1",
+           "CORRAL_NODE_IPS": "127.0.0.1", "CORRAL_SMOKE_BACKEND": "gloo",
            "TMPDIR": str(tmp_path)}
     probe = subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True, text=True)
     assert "numpy is not installed" in probe.stderr  # the node really has none

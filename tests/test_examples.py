@@ -65,11 +65,11 @@ def run(
 ) -> Result:
     """Run argv in its own process group; kill the whole group if it overruns."""
     full_env = dict(os.environ)
-    # 2 shared cores: no oversubscription; torchrun run by hand leaves its
+    # (OMP_NUM_THREADS=1 comes from conftest); torchrun run by hand leaves its
     # torchelastic_* log dirs in $TMPDIR: keep them in the test's own dir
     tmp = cwd / "tmp"
     tmp.mkdir(exist_ok=True)
-    full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)})
+    full_env.update({"PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)})
     full_env.update(env or {})
     proc = subprocess.Popen(
         argv,
